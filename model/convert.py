@@ -1,0 +1,116 @@
+"""`python -m model.convert SRC DST [--routed-experts nvfp4] [--kv-cache-dtype nvfp4]`
+
+Converts a float (bf16/fp32) MiniMax-M3 checkpoint into the M3.1-Flash storage: routed experts
+quantized to NVFP4 with model/nvfp4.py (the project's one quantization function) in the ModelOpt
+per-expert layout, everything else copied. Streams tensor by tensor (never builds the model), so
+it runs on checkpoints far larger than memory; shards are written atomically, the index last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from model import nvfp4
+from model.checkpoint import _EXPERT_RE, INDEX_FILE, CheckpointError, iter_tensors
+from model.config import ModelConfig
+from model.layers.moe import quantize_expert_nvfp4
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, routed_experts: str = "nvfp4",
+            kv_cache_dtype: str | None = None, max_shard_bytes: int = 2 << 30) -> ModelConfig:  # fmt: skip
+    src, dst = Path(src), Path(dst)
+    cfg = ModelConfig.from_pretrained(src)
+    if cfg.quantization.routed_experts != "bf16":
+        raise CheckpointError(
+            f"{src}: routed experts are already {cfg.quantization.routed_experts}; "
+            "convert from a bf16 checkpoint"
+        )
+    if routed_experts != "nvfp4":
+        raise ValueError(f"--routed-experts {routed_experts!r} is not supported; only 'nvfp4'")
+    quant = dataclasses.replace(cfg.quantization, routed_experts="nvfp4", exclude_modules=[])
+    new_cfg = dataclasses.replace(
+        cfg, quantization=quant, kv_cache_dtype=kv_cache_dtype or cfg.kv_cache_dtype
+    )
+    dst.mkdir(parents=True, exist_ok=True)
+
+    shard: dict[str, torch.Tensor] = {}
+    size, n_shards, weight_map, total = 0, 0, {}, 0
+
+    def flush() -> None:
+        nonlocal shard, size, n_shards, total
+        if not shard:
+            return
+        n_shards += 1
+        fname = f"model-{n_shards:05d}.safetensors"
+        tmp = dst / f".{fname}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, dst / fname)
+        for k, v in shard.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+        shard, size = {}, 0
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # expert prefix -> {w1, w2, w3} float weights
+    for name, t in iter_tensors(src):
+        m = _EXPERT_RE.match(name)
+        if m and m.group(5) == "weight":
+            # w1 and w3 share a global scale (see quantize_expert_nvfp4): wait for all three.
+            expert = name.rsplit(".", 2)[0]
+            pending.setdefault(expert, {})[m.group(4)] = t
+            if len(pending[expert]) < 3:
+                continue
+            w = pending.pop(expert)
+            out = {}
+            for proj, q in quantize_expert_nvfp4(w["w1"], w["w3"], w["w2"]).items():
+                out.update(nvfp4.to_modelopt(f"{expert}.{proj}.", q))
+        else:
+            out = {name: t}
+        for k, v in out.items():
+            shard[k] = v.clone() if v.dim() == 0 else v.contiguous()  # shared scale_2: own storage
+            size += v.numel() * v.element_size()
+        if size >= max_shard_bytes:
+            flush()
+    flush()
+    if pending:
+        raise CheckpointError(
+            f"{src}: experts missing some of w1/w2/w3: {sorted(pending)[:5]}; the checkpoint is partial"
+        )
+    new_cfg.save_pretrained(dst)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    tmp = dst / f".{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, dst / INDEX_FILE)
+    return new_cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model.convert", description=__doc__.split("\n\n")[1])
+    p.add_argument("src", help="directory of a bf16/fp32 checkpoint (config.json + safetensors)")
+    p.add_argument("dst", help="output directory (created)")
+    p.add_argument("--routed-experts", default="nvfp4", choices=["nvfp4"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "fp8", "nvfp4"])
+    p.add_argument("--max-shard-gb", type=float, default=2.0)
+    args = p.parse_args(argv)
+    try:
+        cfg = convert(
+            args.src, args.dst, args.routed_experts, args.kv_cache_dtype, int(args.max_shard_gb * 2**30)
+        )
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {args.dst}: routed experts {cfg.quantization.routed_experts}, kv cache {cfg.kv_cache_dtype}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Routed-expert execution: y = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for every token t.
+
+Why: the MoE layer's hot path. Each expert is w2 @ swigluoai(w1 @ x, w3 @ x) with its weights held
+in the bank's storage format (float, NVFP4 or MXFP8); the bank is frozen during RL, so gradients
+go to the tokens (x) and the routing weights (hence the router) only, and later to per-expert LoRA
+deltas through the bank's `lora` hook.
+
+How (reference path, runs everywhere): token-slots are sorted by expert, each expert runs once on
+its contiguous group (NVFP4 through `nvfp4_linear`, which dequantizes tile by tile), and the
+weighted results are scatter-added back in fp32. `moe_experts_ref` is the spec: a plain loop over
+tokens and slots with whole dequantized weights.
+
+Invariants: both paths use element-for-element the same weights (dequantized to x's dtype); the
+K contributions of a token are accumulated in fp32 and rounded once to x's dtype; the bank's
+frozen storage never receives a gradient.
+
+Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
+token-slots, M tokens of one expert group, I / O a projection's input / output features.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from model.kernels.nvfp4_linear import nvfp4_linear
+from model.mxfp8 import dequantize_mxfp8
+
+if TYPE_CHECKING:
+    from model.layers.moe import ExpertBank
+
+Proj = Literal["w1", "w2", "w3"]
+"""Expert projections, named as the checkpoint names them: w1 gate [F, D], w3 up [F, D], w2 down [D, F]."""
+
+
+class ExpertDelta(Protocol):
+    """Extension point for per-expert adapters (LoRA): the extra output of projection `proj` of expert
+    `e` on its tokens `x_MI`, added to the frozen projection's output. Set as `ExpertBank.lora`."""
+
+    def __call__(self, e: int, proj: Proj, x_MI: torch.Tensor) -> torch.Tensor: ...
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """MiniMax's clamped SwiGLU: g * sigmoid(alpha * g) * (clamp(up, +-limit) + 1), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+
+
+class _MXFP8Linear(torch.autograd.Function):
+    """x @ dequant(W).T with W dequantized whole (MXFP8 is 1 byte/value: no tiling needed), but
+    recomputed in backward so autograd never keeps a float copy of every expert alive."""
+
+    @staticmethod
+    def forward(ctx, x_MI, values_OI, scales_OI32):
+        ctx.save_for_backward(values_OI, scales_OI32)
+        ctx.x_dtype = x_MI.dtype
+        return F.linear(x_MI, dequantize_mxfp8(values_OI, scales_OI32, x_MI.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y_MO):
+        values_OI, scales_OI32 = ctx.saved_tensors
+        return grad_y_MO @ dequantize_mxfp8(values_OI, scales_OI32, ctx.x_dtype), None, None
+
+
+def _expert_linear(bank: ExpertBank, proj: Proj, e: int, x_MI: torch.Tensor) -> torch.Tensor:
+    """One projection of one expert on its tokens, in the bank's storage format (+ the LoRA hook)."""
+    w = getattr(bank, f"{proj}_weight")
+    if bank.fmt == "nvfp4":
+        y = nvfp4_linear(
+            x_MI, w[e], getattr(bank, f"{proj}_weight_scale")[e], getattr(bank, f"{proj}_weight_scale_2")[e]
+        )
+    elif bank.fmt == "mxfp8":
+        y = _MXFP8Linear.apply(x_MI, w[e], getattr(bank, f"{proj}_weight_scale")[e])
+    else:
+        y = F.linear(x_MI, w[e].to(x_MI.dtype))
+    if bank.lora is not None:
+        y = y + bank.lora(e, proj, x_MI)
+    return y
+
+
+def _expert_mlp(bank: ExpertBank, e: int, x_MD: torch.Tensor) -> torch.Tensor:
+    gate_MF = _expert_linear(bank, "w1", e, x_MD)
+    up_MF = _expert_linear(bank, "w3", e, x_MD)
+    return _expert_linear(bank, "w2", e, swigluoai(gate_MF, up_MF, bank.swiglu_alpha, bank.swiglu_limit))
+
+
+def _check_args(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, bank: ExpertBank) -> None:
+    if x_TD.dim() != 2 or x_TD.shape[1] != bank.hidden_size:
+        raise ValueError(f"moe_experts: x must be [T, {bank.hidden_size}], got {tuple(x_TD.shape)}")
+    if (
+        ids_TK.dim() != 2
+        or ids_TK.shape[0] != x_TD.shape[0]
+        or ids_TK.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"moe_experts: topk_ids must be int32/int64 [T={x_TD.shape[0]}, K], "
+            f"got {ids_TK.dtype} {tuple(ids_TK.shape)}"
+        )
+    if tuple(weights_TK.shape) != tuple(ids_TK.shape) or not weights_TK.is_floating_point():
+        raise ValueError(
+            f"moe_experts: topk_weights must be a float tensor shaped like topk_ids {tuple(ids_TK.shape)}, "
+            f"got {weights_TK.dtype} {tuple(weights_TK.shape)}"
+        )
+
+
+def moe_experts_ref(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
+) -> torch.Tensor:
+    """The spec: for each token and slot, run the chosen expert with its whole dequantized weights."""
+    _check_args(x_TD, topk_ids_TK, topk_weights_TK, bank)
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc_D = x_TD.new_zeros(x_TD.shape[1], dtype=torch.float32)
+        for k in range(topk_ids_TK.shape[1]):
+            e = int(topk_ids_TK[t, k])  # SYNC: reference loop, correctness over speed
+            w1_FD, w3_FD, w2_DF = bank.dequantized(e, x_TD.dtype)
+            x_1D = x_TD[t : t + 1]
+            gate_1F = F.linear(x_1D, w1_FD)
+            up_1F = F.linear(x_1D, w3_FD)
+            if bank.lora is not None:
+                gate_1F = gate_1F + bank.lora(e, "w1", x_1D)
+                up_1F = up_1F + bank.lora(e, "w3", x_1D)
+            act_1F = swigluoai(gate_1F, up_1F, bank.swiglu_alpha, bank.swiglu_limit)
+            y_1D = F.linear(act_1F, w2_DF)
+            if bank.lora is not None:
+                y_1D = y_1D + bank.lora(e, "w2", act_1F)
+            acc_D = acc_D + topk_weights_TK[t, k].float() * y_1D[0].float()
+        rows.append(acc_D)
+    if not rows:
+        return x_TD.new_zeros(x_TD.shape)
+    return torch.stack(rows).to(x_TD.dtype)
+
+
+def moe_experts(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
+) -> torch.Tensor:
+    """Grouped execution of the routed experts: y_TD = sum_k topk_weights[t, k] * expert(x[t]).
+
+    Differentiable w.r.t. x_TD and topk_weights_TK (and a float bank's weights if they require grad).
+    The one dispatch point for this op.
+    """
+    _check_args(x_TD, topk_ids_TK, topk_weights_TK, bank)
+    n_tokens, top_k = topk_ids_TK.shape
+    if n_tokens == 0 or top_k == 0:
+        return x_TD.new_zeros(x_TD.shape) + 0.0 * topk_weights_TK.sum()  # keeps the graph connected
+    # Triton grouped-GEMM kernel (later issue) plugs in here for CUDA tensors: same sorted layout,
+    # segment offsets read on device (no host sync), NVFP4 tiles dequantized in registers.
+    ids_S = topk_ids_TK.reshape(-1)
+    order_S = torch.argsort(ids_S, stable=True)  # slots grouped by expert, token order kept inside a group
+    token_S = order_S // top_k
+    counts_E = torch.bincount(ids_S, minlength=bank.num_experts)
+    # SYNC: the Python loop over experts needs each group's bounds on the host (one copy of E ints/call).
+    ends = counts_E.cumsum(0).tolist()
+    if len(ends) > bank.num_experts:
+        raise ValueError(f"moe_experts: topk_ids hold expert ids >= num_experts = {bank.num_experts}")
+    x_SD = x_TD[token_S]
+    outs = []
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            outs.append(_expert_mlp(bank, e, x_SD[start:end]))
+        start = end
+    y_SD = torch.cat(outs)
+    weights_S = topk_weights_TK.reshape(-1)[order_S]
+    contrib_SD = y_SD.float() * weights_S.float().unsqueeze(1)
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add(0, token_S, contrib_SD)
+    return y_TD.to(x_TD.dtype)

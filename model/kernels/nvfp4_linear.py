@@ -1,0 +1,142 @@
+"""W4A16 NVFP4 linear: y = x @ dequant(W).T with W held as packed E2M1 codes + block scales.
+
+Why: the frozen base weights (routed experts above all) stay in NVFP4 in memory, exactly the
+bytes the rollout engine serves; the learner must run forward and backward through them without
+ever materialising the full-precision matrix (for M3 one expert matrix is 3072 x 6144).
+
+How (reference path, runs everywhere): the weight is dequantized one tile of TILE_N output rows
+at a time (fp32 dequant by `model.nvfp4.dequantize`, the one format definition, then cast to x's
+dtype), multiplied, and dropped before the next tile; the backward recomputes the same tiles.
+`nvfp4_linear_ref` is the spec: dequantize all of W, one matmul.
+
+Invariants: gradients flow only to x (the packed codes, block scales and scale_2 never get a
+grad); the forward of the tiled path uses, element for element, the same weight values as
+`nvfp4_linear_ref` (tiling only splits the output columns, so each output element is the same
+K-reduction); the matmul runs in x's dtype, the result is cast to `out_dtype` (default x's).
+
+Legend: T tokens (any leading dims are flattened), K input features (multiple of 16), N output
+features; `packed_NK2` uint8 [N, K/2] (low nibble = even element), `scales_NK16`
+float8_e4m3fn [N, K/16], `scale_2` fp32 scalar (dequant-side global scale, amax / 2688).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model.nvfp4 import NVFP4Tensor, dequantize
+
+NVFP4_BLOCK = 16
+"""Values per E4M3 block scale, along K."""
+TILE_N = 256
+"""Output rows dequantized at once: 256 x 6144 fp32 = 6 MiB for M3, small beside activations."""
+
+
+def _dequant_rows(
+    packed_NK2: torch.Tensor, scales_NK16: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows of an NVFP4 matrix -> `dtype` [N, K] (fp32 dequant, one rounding to dtype)."""
+    w_NK = dequantize(NVFP4Tensor(packed=packed_NK2, scales=scales_NK16, scale_2=scale_2), torch.float32)
+    return w_NK.to(dtype)
+
+
+def nvfp4_linear_ref(
+    x_TK: torch.Tensor,
+    packed_NK2: torch.Tensor,
+    scales_NK16: torch.Tensor,
+    scale_2: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The spec: dequantize the whole weight to x's dtype, then one matmul."""
+    w_NK = _dequant_rows(packed_NK2, scales_NK16, scale_2.reshape(()), x_TK.dtype)
+    return F.linear(x_TK, w_NK).to(out_dtype or x_TK.dtype)
+
+
+class _NVFP4LinearTiled(torch.autograd.Function):
+    """Tile-by-tile forward over N; backward recomputes each tile and gives a grad to x only."""
+
+    @staticmethod
+    def forward(ctx, x_TK, packed_NK2, scales_NK16, scale_2, tile_n: int):
+        n_rows = packed_NK2.shape[0]
+        y_TN = x_TK.new_empty(x_TK.shape[0], n_rows)
+        for n0 in range(0, n_rows, tile_n):
+            w_nK = _dequant_rows(
+                packed_NK2[n0 : n0 + tile_n], scales_NK16[n0 : n0 + tile_n], scale_2, x_TK.dtype
+            )
+            y_TN[:, n0 : n0 + tile_n] = F.linear(x_TK, w_nK)
+        # The weights are frozen buffers: saving them keeps references, never copies.
+        ctx.save_for_backward(packed_NK2, scales_NK16, scale_2)
+        ctx.tile_n = tile_n
+        ctx.x_dtype = x_TK.dtype
+        return y_TN
+
+    @staticmethod
+    def backward(ctx, grad_y_TN):
+        packed_NK2, scales_NK16, scale_2 = ctx.saved_tensors
+        grad_x_TK = None
+        if ctx.needs_input_grad[0]:
+            # Tiles split the reduction dim of dx = dy @ W: accumulate in fp32, round once at the end.
+            acc_TK = grad_y_TN.new_zeros(grad_y_TN.shape[0], packed_NK2.shape[1] * 2, dtype=torch.float32)
+            for n0 in range(0, packed_NK2.shape[0], ctx.tile_n):
+                rows = slice(n0, n0 + ctx.tile_n)
+                # Same per-element weights as the forward (dequant to x's dtype), multiplied in fp32.
+                w_nK = _dequant_rows(packed_NK2[rows], scales_NK16[rows], scale_2, ctx.x_dtype).float()
+                acc_TK += grad_y_TN[:, rows].float() @ w_nK
+            grad_x_TK = acc_TK.to(ctx.x_dtype)
+        return grad_x_TK, None, None, None, None
+
+
+def _check_args(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> None:
+    if not x.is_floating_point() or x.dtype.itemsize < 2 or x.dim() < 1:
+        raise TypeError(
+            f"nvfp4_linear: x must be a float32/bfloat16/float16 tensor, got {x.dtype} {tuple(x.shape)}"
+        )
+    k = x.shape[-1]
+    if k % NVFP4_BLOCK != 0:
+        raise ValueError(
+            f"nvfp4_linear: K = x.shape[-1] = {k} must be a multiple of {NVFP4_BLOCK} (NVFP4 block)"
+        )
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise TypeError(
+            f"nvfp4_linear: packed weight must be uint8 [N, K/2], got {packed.dtype} {tuple(packed.shape)}"
+        )
+    n = packed.shape[0]
+    if packed.shape[1] * 2 != k:
+        raise ValueError(
+            f"nvfp4_linear: packed weight {tuple(packed.shape)} holds K = {packed.shape[1] * 2} values per "
+            f"row but x has K = {k}; expected packed shape ({n}, {k // 2})"
+        )
+    if scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (n, k // NVFP4_BLOCK):
+        raise ValueError(
+            f"nvfp4_linear: block scales must be float8_e4m3fn [{n}, {k // NVFP4_BLOCK}], "
+            f"got {scales.dtype} {tuple(scales.shape)}"
+        )
+    if scale_2.dtype != torch.float32 or scale_2.numel() != 1:
+        raise ValueError(
+            f"nvfp4_linear: scale_2 must be one fp32 value, got {scale_2.dtype} {tuple(scale_2.shape)}"
+        )
+    devices = {t.device for t in (x, packed, scales, scale_2)}
+    if len(devices) != 1:
+        raise ValueError(f"nvfp4_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def nvfp4_linear(
+    x_TK: torch.Tensor,
+    packed_NK2: torch.Tensor,
+    scales_NK16: torch.Tensor,
+    scale_2: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    tile_n: int = TILE_N,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(W).T; differentiable w.r.t. x only. The one dispatch point."""
+    _check_args(x_TK, packed_NK2, scales_NK16, scale_2)
+    if tile_n < 1:
+        raise ValueError(f"nvfp4_linear: tile_n must be >= 1, got {tile_n}")
+    lead = x_TK.shape[:-1]
+    x_2d = x_TK.reshape(-1, x_TK.shape[-1])
+    # Triton W4A16 kernel (later issue) plugs in here, e.g. `if x_2d.is_cuda: y = _nvfp4_linear_triton(...)`:
+    # it dequantizes a [BLOCK_N, BLOCK_K] tile in registers (E2M1 -> E4M3 bit trick, FACTS 6) and feeds
+    # tl.dot; the autograd wrapper stays the same, with a transposed-tile kernel for the backward.
+    y_TN = _NVFP4LinearTiled.apply(x_2d, packed_NK2, scales_NK16, scale_2.reshape(()), tile_n)
+    return y_TN.reshape(*lead, packed_NK2.shape[0]).to(out_dtype or x_TK.dtype)

@@ -1,0 +1,104 @@
+"""Paged block-sparse attention op (MSA), dense causal attention as its special case.
+
+What: T varlen query tokens (prefill chunk, decode or verify tokens of several sequences), each
+attending to its own sequence's cached keys at positions <= its own position, restricted to the
+KV group's selected blocks when `selected_TNK` is given. `selected_TNK=None` selects every block:
+that is the full-attention layers' op (no separate dense kernel, no duplicated code).
+
+Numerics: K/V pages are dequantized (fp8 / NVFP4 -> fp32) exactly as `model.kv_cache` defines;
+scores, softmax and the P.V product run in fp32; the output has q's dtype. A query with no
+allowed key (only possible with index_local_blocks = 0) gets a zero output.
+
+Kernel-module layout: `sparse_attention_ref` is the torch spec (gathers each sequence's pages,
+one host sync per call to loop over sequences); `sparse_attention` validates and dispatches.
+The Triton kernel (dequantizing pages tile by tile in SRAM, FP8 or bf16 tensor-core dots, only
+the selected pages read) plugs in at the marked dispatch point in a later issue.
+
+Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
+width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
+"""
+
+import torch
+
+from model.kernels.indexer import check_varlen_args
+from model.kv_cache import PagedKV, dequantize_kv, gather_pages
+
+
+def sparse_attention_ref(
+    q_THC: torch.Tensor,
+    kv_cache: PagedKV,
+    block_tables_BP: torch.Tensor,
+    seq_idx_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    selected_TNK: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Torch spec of the paged (block-sparse) attention op. Returns [T, H, C] in q's dtype."""
+    _, H, C = q_THC.shape
+    N = kv_cache.pages.shape[1] // 2
+    G = H // N
+    page = kv_cache.pages.shape[2]
+    out_THC = torch.zeros_like(q_THC)
+    for b in torch.unique(seq_idx_T).tolist():  # SYNC: reference only, one step per sequence
+        rows = (seq_idx_T == b).nonzero()[:, 0]
+        length = int(seq_lens_B[b])
+        pos_t = positions_T[rows]
+        stored_S2NX = gather_pages(kv_cache.pages.transpose(1, 2), block_tables_BP[b], length)
+        k_SNC = dequantize_kv(stored_S2NX[:, 0::2], kv_cache.dtype, kv_cache.k_scale, C)
+        v_SNC = dequantize_kv(stored_S2NX[:, 1::2], kv_cache.dtype, kv_cache.v_scale, C)
+        q_tNGC = q_THC[rows].float().view(len(rows), N, G, C)
+        scores_tNGS = torch.einsum("tngc,snc->tngs", q_tNGC, k_SNC) * softmax_scale
+        allowed_tNS = (torch.arange(length, device=pos_t.device) <= pos_t[:, None])[:, None, :]
+        if selected_TNK is not None:
+            NB = -(-length // page)
+            sel_tNK = selected_TNK[rows]
+            # -1 slots scatter into a spare column NB that is dropped.
+            keep_tNB = torch.zeros((len(rows), N, NB + 1), dtype=torch.bool, device=q_THC.device)
+            keep_tNB.scatter_(-1, sel_tNK.masked_fill(sel_tNK < 0, NB), True)
+            allowed_tNS = allowed_tNS & keep_tNB[..., :NB].repeat_interleave(page, dim=-1)[..., :length]
+        scores_tNGS = scores_tNGS.masked_fill(~allowed_tNS[:, :, None, :], float("-inf"))
+        probs_tNGS = torch.softmax(scores_tNGS, dim=-1).nan_to_num(0.0)  # empty rows -> 0
+        out_tNGC = torch.einsum("tngs,snc->tngc", probs_tNGS, v_SNC)
+        out_THC[rows] = out_tNGC.reshape(len(rows), H, C).to(q_THC.dtype)
+    return out_THC
+
+
+def sparse_attention(
+    q_THC: torch.Tensor,
+    kv_cache: PagedKV,
+    block_tables_BP: torch.Tensor,
+    seq_idx_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    selected_TNK: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of T varlen tokens over their sequences' paged K/V -> [T, H, C].
+
+    q_THC: normed + roped queries; kv_cache: the layer's K/V pages (already holding these
+    tokens' keys); selected_TNK: the indexer's blocks per KV group (None = all blocks, dense).
+    """
+    if q_THC.ndim != 3 or not q_THC.is_floating_point():
+        raise ValueError(f"q_THC must be a float [T, H, C] tensor, got {tuple(q_THC.shape)} {q_THC.dtype}")
+    T, H, C = q_THC.shape
+    if kv_cache.pages.ndim != 4 or kv_cache.pages.shape[1] % 2:
+        raise ValueError(f"K/V pages must be [P, 2N, page, X], got {tuple(kv_cache.pages.shape)}")
+    N = kv_cache.pages.shape[1] // 2
+    if kv_cache.head_dim != C:
+        raise ValueError(f"q_THC head dim {C} != K/V cache head dim {kv_cache.head_dim}")
+    if H % N:
+        raise ValueError(f"q heads H={H} must be a multiple of the cache's kv heads N={N}")
+    check_varlen_args(T, block_tables_BP, seq_idx_T, positions_T, seq_lens_B)
+    if selected_TNK is not None and (
+        selected_TNK.ndim != 3 or tuple(selected_TNK.shape[:2]) != (T, N) or selected_TNK.is_floating_point()
+    ):
+        raise ValueError(f"selected_TNK must be an integer [T={T}, N={N}, K] tensor, got "
+                         f"{tuple(selected_TNK.shape)} {selected_TNK.dtype}")  # fmt: skip
+    # Triton kernel plugs in here (later issue) for CUDA tensors; CPU keeps the reference.
+    return sparse_attention_ref(
+        q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B, selected_TNK,
+        softmax_scale=softmax_scale,
+    )  # fmt: skip

@@ -1,0 +1,290 @@
+"""Paged KV storage for one model: main K/V pages per attention layer, index-key pages per
+sparse layer, in fp32 / bf16 / fp8 (e4m3) / NVFP4.
+
+Why paged: the engine shares and rolls back sequences at page granularity (vLLM style). A
+sequence owns a block table (page ids); token position p lives in page block_table[p // page]
+at offset p % page, i.e. slot = page_id * page_size + offset. The page size equals the MSA
+block size (config.index_block_size), so a selected sparse block is exactly one page.
+
+Layouts (P pages, N kv heads, C head dim, Ci index head dim, page = page_size):
+- main K/V, every dtype: [P, 2N, page, X], slot 2*head + side (side 0 = K, 1 = V); X = C for
+  fp32/bf16/fp8 (fp8 stored as raw e4m3 bytes in uint8) and C/2 + C/16 for NVFP4 (C/2 packed
+  E2M1 bytes, then C/16 e4m3 block scales: 72 B for C = 128, vLLM's MiniMax-M3 layout).
+- index keys (sparse layers only): [P, page, Xi], one shared head, same per-dtype rule.
+
+Scales: one fp32 dequant-side scale per layer per side (k, v, index). fp8 stores
+e4m3(clamp(x / scale, +-448)); NVFP4 uses `scale` as the per-tensor scale_2 (amax / 2688) and
+computes 16-value block scales per token at append. Scales are static: they default to
+DEFAULT_KV_SCALE (1.0, vLLM's uncalibrated default) and are set with `set_scales` from the
+attention module's `k_scale` / `v_scale` / `index_k_scale` buffers, so that `kv_quant_dequant`
+(the training-side simulation) and the cache round trip are the same function bit for bit.
+
+Invariants:
+- gather(...) returns exactly kv_quant_dequant(appended values) for every appended position.
+- Rollback / truncation is the caller keeping a shorter length: slots past a sequence's length
+  are stale, never read (attention reads positions <= the query's own, all written), and are
+  overwritten by the next append at those positions.
+- No host syncs in append / gather (lengths are Python ints owned by the caller).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from model import nvfp4
+from model.config import ModelConfig
+
+KVDtype = Literal["fp32", "bf16", "fp8", "nvfp4"]
+DEFAULT_KV_SCALE = 1.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+_TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8, "nvfp4": torch.uint8}
+
+
+def check_kv_dtype(name: str, dtype: str) -> None:
+    if dtype not in get_args(KVDtype):
+        raise ValueError(f"{name}={dtype!r} is not a KV cache dtype; choose one of {list(get_args(KVDtype))}")
+
+
+def stored_width(dtype: KVDtype, head_dim: int) -> int:
+    """Length of the last (per-head, per-token) dim of a stored row."""
+    if dtype == "nvfp4":
+        if head_dim % 16:
+            raise ValueError(f"an nvfp4 cache needs head_dim % 16 == 0, got {head_dim}")
+        return head_dim // 2 + head_dim // 16
+    return head_dim
+
+
+def quantize_kv(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> torch.Tensor:
+    """Stored form of `x` [..., N, C] (float): [..., N, X] in the cache's storage dtype."""
+    if dtype == "fp32":
+        return x.to(torch.float32)
+    if dtype == "bf16":
+        return x.to(torch.bfloat16)
+    if dtype == "fp8":
+        scaled = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)  # e4m3fn has no inf: clamp first
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    lead = x.shape[:-2]
+    # check_finite=False: the NaN check is a host sync, and append is on the decode hot path.
+    packed = nvfp4.kv_quantize(x.reshape(-1, *x.shape[-2:]).float(), scale, check_finite=False)
+    return packed.reshape(*lead, *packed.shape[-2:])
+
+
+def dequantize_kv(
+    stored: torch.Tensor, dtype: KVDtype, scale: torch.Tensor, head_dim: int, out_dtype=torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_kv`: stored [..., N, X] -> values [..., N, head_dim] in `out_dtype`."""
+    if dtype in ("fp32", "bf16"):
+        return stored.to(out_dtype)
+    if dtype == "fp8":
+        return (stored.view(torch.float8_e4m3fn).float() * scale).to(out_dtype)
+    lead = stored.shape[:-2]
+    values = nvfp4.kv_dequantize(stored.reshape(-1, *stored.shape[-2:]), scale, torch.float32)
+    return values.reshape(*lead, *stored.shape[-2:-1], head_dim).to(out_dtype)
+
+
+def kv_quant_dequant(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> torch.Tensor:
+    """What the cache gives back for `x` [..., N, C], in x's dtype (training-side simulation).
+
+    NVFP4 goes through `model.nvfp4.kv_quant_dequant` (equal to its quantize -> dequantize round
+    trip bit for bit, without packing). Use it on detached values: `model.layers.attention` wraps
+    it in a straight-through estimator."""
+    if dtype == "nvfp4":
+        return nvfp4.kv_quant_dequant(x, scale, check_finite=False)
+    return dequantize_kv(quantize_kv(x, dtype, scale), dtype, scale, x.shape[-1], out_dtype=x.dtype)
+
+
+def slot_mapping(
+    block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Cache slot (page_id * page_size + offset) of every token, from its sequence and position."""
+    page_T = block_tables_BP[seq_idx_T, positions_T // page_size].long()
+    return page_T * page_size + positions_T % page_size
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's main K/V pages as the attention op reads them."""
+
+    pages: torch.Tensor  # [P, 2N, page, X]
+    dtype: KVDtype
+    k_scale: torch.Tensor  # fp32 0-d, dequant side
+    v_scale: torch.Tensor
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """One sparse layer's index-key pages as the indexer op reads them."""
+
+    pages: torch.Tensor  # [P, page, Xi]
+    dtype: KVDtype
+    scale: torch.Tensor  # fp32 0-d, dequant side
+    head_dim: int
+
+
+def gather_pages(pages: torch.Tensor, block_table_P: torch.Tensor, length: int) -> torch.Tensor:
+    """Token-major stored rows of one sequence: pages [P, page, ...] -> [length, ...]."""
+    page_size = pages.shape[1]
+    n_pages = -(-length // page_size)
+    if n_pages > block_table_P.shape[0]:
+        raise ValueError(
+            f"length {length} needs {n_pages} pages but the block table holds {block_table_P.shape[0]}"
+        )
+    rows = pages[block_table_P[:n_pages].long()]  # [n_pages, page, ...]
+    return rows.reshape(n_pages * page_size, *pages.shape[2:])[:length]
+
+
+class KVCache:
+    """Paged K/V (+ index key) storage for every attention layer of one model.
+
+    `dtype` (if given) sets the main K/V dtype of every layer, ignoring the config's per-layer
+    overrides; None takes config.kv_dtype_for_layer(i). `index_dtype` likewise overrides
+    config.index_cache_dtype. Pages start zeroed.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        device: torch.device | str = "cpu",
+        dtype: KVDtype | None = None,
+        index_dtype: KVDtype | None = None,
+    ):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.config = config
+        self.num_pages = num_pages
+        self.page_size = config.index_block_size
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.index_head_dim = config.index_head_dim
+        n_layers = config.num_hidden_layers
+        if dtype is not None:
+            check_kv_dtype("dtype", dtype)
+        if index_dtype is not None:
+            check_kv_dtype("index_dtype", index_dtype)
+        self.kv_dtypes: list[KVDtype] = [dtype or config.kv_dtype_for_layer(i) for i in range(n_layers)]
+        self.index_dtype: KVDtype = index_dtype or config.index_cache_dtype
+        # [L, 3]: dequant-side scales (k, v, index) per layer.
+        self.scales = torch.full((n_layers, 3), DEFAULT_KV_SCALE, dtype=torch.float32, device=device)
+        self.kv: list[torch.Tensor] = []
+        self.index: list[torch.Tensor | None] = []
+        for i in range(n_layers):
+            width = stored_width(self.kv_dtypes[i], self.head_dim)
+            shape = (num_pages, 2 * self.num_kv_heads, self.page_size, width)
+            self.kv.append(torch.zeros(shape, dtype=_TORCH_STORAGE[self.kv_dtypes[i]], device=device))
+            if config.is_sparse_layer(i):
+                iw = stored_width(self.index_dtype, self.index_head_dim)
+                ishape = (num_pages, self.page_size, iw)
+                self.index.append(torch.zeros(ishape, dtype=_TORCH_STORAGE[self.index_dtype], device=device))
+            else:
+                self.index.append(None)
+
+    # --------------------------------------------------------------------------- scales
+    def set_scales(
+        self,
+        layer: int,
+        k_scale: float | torch.Tensor,
+        v_scale: float | torch.Tensor,
+        index_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Set the static dequant-side scales of `layer` (before its first append)."""
+        self.scales[layer, 0] = torch.as_tensor(k_scale, dtype=torch.float32)
+        self.scales[layer, 1] = torch.as_tensor(v_scale, dtype=torch.float32)
+        if index_scale is not None:
+            self.scales[layer, 2] = torch.as_tensor(index_scale, dtype=torch.float32)
+
+    # --------------------------------------------------------------------------- views
+    def kv_view(self, layer: int) -> PagedKV:
+        return PagedKV(self.kv[layer], self.kv_dtypes[layer], self.scales[layer, 0], self.scales[layer, 1],
+                       self.head_dim)  # fmt: skip
+
+    def index_view(self, layer: int) -> PagedIndex:
+        pages = self.index[layer]
+        if pages is None:
+            raise ValueError(f"layer {layer} is a full-attention layer: it has no index cache")
+        return PagedIndex(pages, self.index_dtype, self.scales[layer, 2], self.index_head_dim)
+
+    # --------------------------------------------------------------------------- write
+    def append(
+        self,
+        layer: int,
+        slot_mapping_T: torch.Tensor,
+        k_TNC: torch.Tensor,
+        v_TNC: torch.Tensor,
+        index_k_TC: torch.Tensor | None = None,
+    ) -> None:
+        """Store T tokens' K/V (and index keys on sparse layers) at their slots (all >= 0)."""
+        N, C = self.num_kv_heads, self.head_dim
+        if slot_mapping_T.ndim != 1 or slot_mapping_T.is_floating_point():
+            got = f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}"
+            raise ValueError(f"slot_mapping_T must be a 1-D integer tensor, got {got}")
+        T = slot_mapping_T.shape[0]
+        for name, x in (("k_TNC", k_TNC), ("v_TNC", v_TNC)):
+            if tuple(x.shape) != (T, N, C):
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected (T={T}, N={N}, C={C})")
+        is_sparse = self.index[layer] is not None
+        if is_sparse and index_k_TC is None:
+            raise ValueError(f"layer {layer} is sparse: append needs index_k_TC [T, {self.index_head_dim}]")
+        if not is_sparse and index_k_TC is not None:
+            raise ValueError(f"layer {layer} is a full-attention layer (no index cache): pass no index_k_TC")
+        page_T = slot_mapping_T.long() // self.page_size
+        offset_T = slot_mapping_T.long() % self.page_size
+        kv_dtype = self.kv_dtypes[layer]
+        k_st = quantize_kv(k_TNC, kv_dtype, self.scales[layer, 0])
+        v_st = quantize_kv(v_TNC, kv_dtype, self.scales[layer, 1])
+        kv_T2NX = torch.stack([k_st, v_st], dim=2).reshape(T, 2 * N, -1)  # slot 2*head + side
+        heads = torch.arange(2 * N, device=page_T.device)
+        self.kv[layer][page_T[:, None], heads[None, :], offset_T[:, None]] = kv_T2NX
+        if is_sparse:
+            if tuple(index_k_TC.shape) != (T, self.index_head_dim):
+                raise ValueError(f"index_k_TC has shape {tuple(index_k_TC.shape)}, expected "
+                                 f"(T={T}, Ci={self.index_head_dim})")  # fmt: skip
+            idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
+            self.index[layer][page_T, offset_T] = idx_st
+
+    # --------------------------------------------------------------------------- read
+    def gather(
+        self, layer: int, block_table_P: torch.Tensor, length: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V [length, N, C] of one sequence's first `length` positions."""
+        view = self.kv_view(layer)
+        rows = gather_pages(view.pages.transpose(1, 2), block_table_P, length)  # [S, 2N, X]
+        k_SNC = dequantize_kv(rows[:, 0::2], view.dtype, view.k_scale, self.head_dim, dtype)
+        v_SNC = dequantize_kv(rows[:, 1::2], view.dtype, view.v_scale, self.head_dim, dtype)
+        return k_SNC, v_SNC
+
+    def gather_index(
+        self, layer: int, block_table_P: torch.Tensor, length: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Dequantized index keys [length, Ci] of one sequence."""
+        view = self.index_view(layer)
+        rows = gather_pages(view.pages, block_table_P, length)  # [S, Xi]
+        return dequantize_kv(rows[:, None], view.dtype, view.scale, view.head_dim, dtype)[:, 0]
+
+    # --------------------------------------------------------------------------- sizes, sharing
+    def bytes_per_token(self, layer: int) -> int:
+        """Main K/V bytes one token occupies in `layer` (what FACTS section 1 counts)."""
+        t = self.kv[layer]
+        return t.shape[1] * t.shape[3] * t.element_size()
+
+    def index_bytes_per_token(self, layer: int) -> int:
+        t = self.index[layer]
+        return 0 if t is None else t.shape[2] * t.element_size()
+
+    def total_bytes_per_token(self) -> int:
+        n = len(self.kv)
+        return sum(self.bytes_per_token(i) + self.index_bytes_per_token(i) for i in range(n))
+
+    def copy_pages(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+        """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write prefix sharing)."""
+        src_t = torch.as_tensor(src, dtype=torch.long, device=self.kv[0].device)
+        dst_t = torch.as_tensor(dst, dtype=torch.long, device=self.kv[0].device)
+        if src_t.shape != dst_t.shape or src_t.ndim != 1:
+            raise ValueError(f"src and dst must be 1-D and of equal length, got {tuple(src_t.shape)} "
+                             f"and {tuple(dst_t.shape)}")  # fmt: skip
+        for pages in [*self.kv, *(t for t in self.index if t is not None)]:
+            pages[dst_t] = pages[src_t]

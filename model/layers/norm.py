@@ -1,0 +1,37 @@
+"""Gemma-style RMSNorm, the only normalisation in the MiniMax-M3 family.
+
+`y = x * rsqrt(mean(x^2) + eps) * (1 + w)` with `w` initialised to 0, so a freshly built norm is
+the identity scaling. It is used on the residual stream (hidden_size) and per head on q, k,
+index_q and index_k (over head_dim).
+
+Invariant: the arithmetic runs in fp32 whatever the input dtype and the result is cast back to
+the input dtype at the very end ((x * w).to(dtype), not x.to(dtype) * w), matching the
+reference implementations so bf16 checkpoints reproduce bit-for-bit.
+"""
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim of `x`; `weight` has shape [x.shape[-1]]."""
+    x_f32 = x.float()
+    inv_rms = torch.rsqrt(x_f32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x_f32 * inv_rms * (1.0 + weight.float())).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm with a zero-initialised `weight` (the checkpoint stores w, not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"RMSNorm dim must be positive, got {dim}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

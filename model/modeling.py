@@ -1,0 +1,234 @@
+"""The MiniMax-M3 causal LM (M3, M3.1-Flash and their small twins), read bottom-up.
+
+What: `DecoderLayer` (norm -> attention -> residual -> norm -> dense MLP or MoE -> residual) and
+`MiniMaxM3ForCausalLM` with the two entry points every other part of the project uses:
+  - `forward(input_ids_BS, ...)`: the full-sequence pass for training. Returns logits, or with
+    `token_logprobs(...)` the per-token log-probabilities of given targets without materialising
+    [B, S, V] logits at once. Padding and packed sequences go through `seq_ids_BS`.
+  - `forward_cached(input_ids_T, ...)`: one engine step over a paged KV cache (model/kv_cache.py):
+    T flattened new tokens from B sequences (prefill chunks, decode tokens or verify tokens).
+
+Why one file: the whole network should fit on a few screens; the numerics live in model/layers and
+model/kernels, this file only wires them. Module and parameter names copy the checkpoint
+(`model.layers.{i}.self_attn.q_proj`, `...block_sparse_moe.experts`), so loading is a straight copy.
+
+Invariants: routed experts are frozen (NVFP4 buffers or frozen float parameters), never upcast as
+a whole; `forward_cached` token by token reproduces `forward` (tested to 1e-5 in fp32), and with an
+NVFP4 cache it reproduces `forward(kv_sim=True)`, which quantize-dequantizes K/V exactly as the
+cache stores them.
+
+Legend: B batch, S sequence, T flattened tokens, D hidden, V vocab, P pages per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.layers.attention import Attention
+from model.layers.moe import DenseMLP, MoE
+from model.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Checkpoint names differ by layer kind: dense prefix layers own `mlp`, MoE layers own
+        # `block_sparse_moe` (router + experts + shared expert).
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = MoE(config)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.dense_intermediate_size, config)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        out = self.ffn(self.post_attention_layernorm(h).reshape(-1, shape[-1]))
+        return out.reshape(shape)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        positions_BS: torch.Tensor,
+        seq_ids_BS: torch.Tensor | None,
+        kv_sim: bool,
+    ) -> torch.Tensor:
+        h_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), positions_BS, seq_ids_BS, kv_sim=kv_sim)
+        return h_BSD + self._ffn(h_BSD)
+
+    def forward_cached(
+        self,
+        x_TD: torch.Tensor,
+        positions_T: torch.Tensor,
+        seq_idx_T: torch.Tensor,
+        cache: KVCache,
+        block_tables_BP: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+    ) -> torch.Tensor:
+        h_TD = x_TD + self.self_attn.forward_cached(
+            self.input_layernorm(x_TD), positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B
+        )
+        return h_TD + self._ffn(h_TD)
+
+
+class MiniMaxM3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = MiniMaxM3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> MiniMaxM3ForCausalLM:
+        """Fresh random weights (tiny models, tests): N(0, std^2) linears, embeddings and experts;
+        norms at 0 (Gemma norms scale by 1 + w); router bias 0. Deterministic given `seed`."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.zero_()
+        for layer in self.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.experts.init_normal_(std, generator=gen)
+                layer.block_sparse_moe.e_score_correction_bias.zero_()
+        return self
+
+    def new_kv_cache(self, num_pages: int, device: torch.device | str | None = None, **kwargs) -> KVCache:
+        """A paged cache laid out for this model (per-layer dtypes from the config unless `dtype`
+        overrides) with each layer's K/V/index scales installed, as `forward(kv_sim=True)` uses them."""
+        device = device if device is not None else self.lm_head.weight.device
+        cache = KVCache(self.config, num_pages, device=device, **kwargs)
+        for i, layer in enumerate(self.model.layers):
+            cache.set_scales(i, *layer.self_attn.kv_scales())
+        return cache
+
+    # ------------------------------------------------------------------ training forward
+    def hidden_states(
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        seq_ids_BS: torch.Tensor | None = None,
+        kv_sim: bool = False,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [B, S, D]. `seq_ids_BS` marks packed sequences (equal ids attend
+        to each other; -1 = padding); `positions_BS` then restart at 0 per packed sequence."""
+        if positions_BS is None:
+            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(
+                input_ids_BS
+            )
+        x_BSD = self.model.embed_tokens(input_ids_BS)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x_BSD = checkpoint(layer, x_BSD, positions_BS, seq_ids_BS, kv_sim, use_reentrant=False)
+            else:
+                x_BSD = layer(x_BSD, positions_BS, seq_ids_BS, kv_sim)
+        return self.model.norm(x_BSD)
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        seq_ids_BS: torch.Tensor | None = None,
+        kv_sim: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] in fp32."""
+        h_BSD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim)
+        return self.lm_head(h_BSD).float()
+
+    def token_logprobs(
+        self,
+        input_ids_BS: torch.Tensor,
+        targets_BS: torch.Tensor,
+        positions_BS: torch.Tensor | None = None,
+        seq_ids_BS: torch.Tensor | None = None,
+        kv_sim: bool = False,
+        chunk_tokens: int = 1024,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(targets[b, s] | input[b, :s+1]) as fp32 [B, S], and the entropy of each position's
+        distribution when asked. Logits are formed `chunk_tokens` rows at a time so a 200K vocab
+        never needs [B, S, V] in memory (each chunk is recomputed in backward by checkpointing)."""
+        h_TD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim).flatten(0, 1)
+        targets_T = targets_BS.flatten()
+        logp_parts, ent_parts = [], []
+        for start in range(0, h_TD.shape[0], chunk_tokens):
+            h = h_TD[start : start + chunk_tokens]
+            t = targets_T[start : start + chunk_tokens]
+            if torch.is_grad_enabled() and h.requires_grad:
+                lp, ent = checkpoint(
+                    _chunk_logprobs, h, self.lm_head.weight, t, with_entropy, use_reentrant=False
+                )
+            else:
+                lp, ent = _chunk_logprobs(h, self.lm_head.weight, t, with_entropy)
+            logp_parts.append(lp)
+            ent_parts.append(ent)
+        logp_BS = torch.cat(logp_parts).view_as(targets_BS)
+        ent_BS = torch.cat(ent_parts).view_as(targets_BS) if with_entropy else None
+        return logp_BS, ent_BS
+
+    # ------------------------------------------------------------------ engine step
+    def forward_cached(
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        seq_idx_T: torch.Tensor,
+        cache: KVCache,
+        block_tables_BP: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append T new tokens to the paged cache and return fp32 logits for `logits_indices`
+        (default: every token). `seq_lens_B` counts each sequence's tokens *including* the new
+        ones; the caller's page tables must already cover them."""
+        x_TD = self.model.embed_tokens(input_ids_T)
+        for layer in self.model.layers:
+            x_TD = layer.forward_cached(x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B)
+        if logits_indices is not None:
+            x_TD = x_TD[logits_indices]
+        return self.lm_head(self.model.norm(x_TD)).float()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def num_parameters(self) -> int:
+        """Logical parameter count: float parameters plus quantized expert weights counted per value."""
+        n = sum(p.numel() for p in self.parameters())
+        for layer in self.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                n += layer.block_sparse_moe.experts.num_quantized_values()
+        return n
+
+
+def _chunk_logprobs(
+    h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_TV = F.linear(h_TD, w_VD).float()
+    logz_T = torch.logsumexp(logits_TV, dim=-1)
+    logp_T = logits_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - logz_T
+    if with_entropy:
+        p_TV = torch.softmax(logits_TV, dim=-1)
+        ent_T = logz_T - (p_TV * logits_TV).sum(-1)
+    else:
+        ent_T = logp_T.new_zeros(0)
+    return logp_T, ent_T

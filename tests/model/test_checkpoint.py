@@ -1,0 +1,125 @@
+"""Checkpoints: ModelOpt-layout round trips, bf16 -> NVFP4 conversion, clear errors on bad files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.checkpoint import CheckpointError, base_fingerprint, load_model, save_model
+from model.config import ModelConfig, QuantConfig
+from model.convert import convert
+from model.modeling import MiniMaxM3ForCausalLM
+
+IDS = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0))
+
+
+def make(cfg: ModelConfig, seed: int = 0) -> MiniMaxM3ForCausalLM:
+    return MiniMaxM3ForCausalLM(cfg).init_weights(std=0.05, seed=seed).eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_cfg() -> ModelConfig:
+    return dataclasses.replace(ModelConfig.preset("tiny"), quantization=QuantConfig(routed_experts="bf16"))
+
+
+@torch.no_grad()
+def test_nvfp4_tiny_checkpoint_round_trip_is_identical_and_sharded(tmp_path):
+    model = make(ModelConfig.preset("tiny"))
+    save_model(model, tmp_path / "ckpt", max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "expected several shards"
+    name = "model.layers.1.block_sparse_moe.experts.3.w1"
+    assert index["weight_map"].keys() >= {f"{name}.weight", f"{name}.weight_scale", f"{name}.weight_scale_2"}
+    loaded = load_model(tmp_path / "ckpt", dtype=torch.float32)
+    assert base_fingerprint(loaded) == base_fingerprint(model)
+    assert torch.equal(loaded(IDS), model(IDS))
+    shard = load_file(tmp_path / "ckpt" / index["weight_map"][f"{name}.weight"])
+    assert shard[f"{name}.weight"].dtype == torch.uint8
+    assert shard[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn
+
+
+@torch.no_grad()
+def test_bf16_checkpoint_converted_to_nvfp4_equals_quantize_on_load(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg, seed=1), tmp_path / "bf16")
+    out = subprocess.run(
+        [sys.executable, "-m", "model.convert", str(tmp_path / "bf16"), str(tmp_path / "nvfp4")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    converted = load_model(tmp_path / "nvfp4", dtype=torch.float32)
+    assert converted.config.quantization.routed_experts == "nvfp4"
+    nvfp4_cfg = dataclasses.replace(bf16_cfg, quantization=QuantConfig(routed_experts="nvfp4"))
+    on_load = load_model(tmp_path / "bf16", dtype=torch.float32, config=nvfp4_cfg)
+    assert base_fingerprint(converted) == base_fingerprint(on_load)
+    assert torch.equal(converted(IDS), on_load(IDS))
+    # ...and quantization really happened: outputs differ from the bf16 original.
+    original = load_model(tmp_path / "bf16", dtype=torch.float32)
+    assert not torch.equal(original(IDS), converted(IDS))
+
+
+def test_convert_refuses_an_already_quantized_checkpoint(tmp_path):
+    save_model(make(ModelConfig.preset("tiny")), tmp_path / "q")
+    with pytest.raises(CheckpointError, match="already nvfp4"):
+        convert(tmp_path / "q", tmp_path / "out")
+
+
+def _single_file_ckpt(tmp_path, cfg) -> tuple:
+    save_model(make(cfg), tmp_path, max_shard_bytes=1 << 40)
+    (shard,) = list(tmp_path.glob("model-*.safetensors"))
+    return shard, load_file(shard)
+
+
+def test_missing_tensor_is_named(tmp_path, bf16_cfg):
+    shard, tensors = _single_file_ckpt(tmp_path, bf16_cfg)
+    del tensors["model.layers.2.self_attn.o_proj.weight"]
+    save_file(tensors, shard)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.2.self_attn.o_proj.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"missing tensors.*layers\.2\.self_attn\.o_proj"):
+        load_model(tmp_path)
+
+
+def test_unexpected_tensor_and_shape_mismatch_are_named(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path)
+    wider = dataclasses.replace(bf16_cfg, dense_intermediate_size=512)
+    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight has shape"):
+        load_model(tmp_path, config=wider)
+    fewer_layers = dataclasses.replace(
+        bf16_cfg,
+        num_hidden_layers=3,
+        layer_types=bf16_cfg.layer_types[:3],
+        mlp_layer_types=bf16_cfg.mlp_layer_types[:3],
+    )
+    with pytest.raises(CheckpointError, match=r"no place in this model.*layers\.3"):
+        load_model(tmp_path, config=fewer_layers)
+
+
+def test_truncated_shard_gives_clear_error(tmp_path, bf16_cfg):
+    shard, _ = _single_file_ckpt(tmp_path, bf16_cfg)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model(tmp_path)
+
+
+def test_unknown_quant_algo_is_rejected(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "INT3_MAGIC"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="INT3_MAGIC"):
+        load_model(tmp_path)
+
+
+def test_not_a_checkpoint_directory(tmp_path, bf16_cfg):
+    bf16_cfg.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors\.index\.json"):
+        load_model(tmp_path)
