@@ -45,8 +45,10 @@ SINGLE_FILE = "model.safetensors"
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(\w+)$")
 _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale")
 # Tensors the text model deliberately does not hold: the vision tower of `minimax_m3_vl`
-# checkpoints and, when the config asks for no MTP module, the MTP weights.
-_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "model.vision_tower.")
+# checkpoints and the MTP module (optional for this project; DSpark is its speculative decoder).
+_SKIPPED_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "model.vision_tower.", "mtp.",
+)  # fmt: skip
 
 
 class CheckpointError(ValueError):
@@ -165,7 +167,7 @@ def load_model(
 
     for raw_name, tensor in iter_tensors(path, device="cpu"):
         name = _canonical(raw_name)
-        if name.startswith(_SKIPPED_PREFIXES) or (name.startswith("mtp.") and cfg.num_mtp_modules == 0):
+        if name.startswith(_SKIPPED_PREFIXES):
             continue
         m = _EXPERT_RE.match(name)
         if m:

@@ -167,10 +167,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
         kv_sim: bool = False,
         chunk_tokens: int = 1024,
         with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(targets[b, s] | input[b, :s+1]) as fp32 [B, S], and the entropy of each position's
         distribution when asked. Logits are formed `chunk_tokens` rows at a time so a 200K vocab
-        never needs [B, S, V] in memory (each chunk is recomputed in backward by checkpointing)."""
+        never needs [B, S, V] in memory (each chunk is recomputed in backward by checkpointing).
+        `temperature` divides the logits first: the distribution the engine sampled from."""
         h_TD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim).flatten(0, 1)
         targets_T = targets_BS.flatten()
         logp_parts, ent_parts = [], []
@@ -221,9 +223,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
 
 def _chunk_logprobs(
-    h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, with_entropy: bool
+    h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor, with_entropy: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits_TV = F.linear(h_TD, w_VD).float()
+    if temperature != 1.0:
+        logits_TV = logits_TV / temperature
     logz_T = torch.logsumexp(logits_TV, dim=-1)
     logp_T = logits_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1) - logz_T
     if with_entropy:
