@@ -181,10 +181,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
             t = targets_T[start : start + chunk_tokens]
             if torch.is_grad_enabled() and h.requires_grad:
                 lp, ent = checkpoint(
-                    _chunk_logprobs, h, self.lm_head.weight, t, with_entropy, use_reentrant=False
+                    _chunk_logprobs, h, self.lm_head.weight, t, with_entropy, temperature, use_reentrant=False
                 )
             else:
-                lp, ent = _chunk_logprobs(h, self.lm_head.weight, t, with_entropy)
+                lp, ent = _chunk_logprobs(h, self.lm_head.weight, t, with_entropy, temperature)
             logp_parts.append(lp)
             ent_parts.append(ent)
         logp_BS = torch.cat(logp_parts).view_as(targets_BS)
