@@ -15,7 +15,10 @@ expert: `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.*`.
 
 In memory only the routed experts keep their stored format. Other quantized groups (MXFP8
 attention, dense and shared MLPs of M3.1-Flash) are dequantized once at load into the model's
-float dtype; dequantization is exact, and `save_model` re-quantizes them to the same bits.
+float dtype (exact in fp32; bf16 rounds NVFP4 values times an fp32 scale_2), and `save_model`
+re-quantizes them; re-quantizing a dequantized tensor can move scale_2 by an ulp, so a re-saved
+non-expert NVFP4 module is equal to ~1e-7 relative, not bit for bit. Routed experts round-trip
+bit for bit.
 
 Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
 unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
@@ -37,6 +40,7 @@ from safetensors.torch import save_file
 
 from model import nvfp4
 from model.config import ModelConfig
+from model.layers.attention import Attention
 from model.modeling import MiniMaxM3ForCausalLM
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
@@ -157,6 +161,12 @@ def load_model(
     model.to_empty(device=device)
     model.to(dtype)  # float parameters only; quantized buffers keep their integer/fp8 dtypes
     _restore_fp32_parts(model)
+    # Buffers not stored in checkpoints are garbage after `to_empty`: the KV scales get their
+    # defaults here, and calibrated `self_attn.k_scale` / `v_scale` tensors (vLLM's names) in the
+    # checkpoint overwrite them below.
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.reset_kv_scales()
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     expert_names = {n for n in targets if ".block_sparse_moe.experts." in n}
     pending_linear: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -280,8 +290,8 @@ def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Ten
     cfg = model.config
     bank_prefixes = tuple(f"{name}." for name, _ in _banks(model))
     for name, t in model.state_dict().items():
-        if name.startswith(bank_prefixes) or _is_derived(name):
-            continue
+        if name.startswith(bank_prefixes) or _is_derived(name) or "lora_" in name:
+            continue  # adapters are saved by model/adapter.py, never as base weights
         module = name.rpartition(".")[0]
         fmt = cfg.module_dtype(module) if name.endswith(".weight") and t.dim() == 2 else "bf16"
         if name.startswith(("lm_head", "model.embed_tokens")) or ".norm" in name or "layernorm" in name:

@@ -104,6 +104,51 @@ def index_select_blocks_ref(
     return selected_TNK
 
 
+def index_select_blocks_torch(
+    index_q_TNC: torch.Tensor,
+    index_cache: PagedIndex,
+    block_tables_BP: torch.Tensor,
+    seq_idx_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    *,
+    topk: int,
+    local_blocks: int,
+    init_blocks: int,
+) -> torch.Tensor:
+    """Batched torch path: all sequences' index keys gathered and dequantized once, every token
+    scored in chunks (no Python loop over sequences). Same selection as the reference (tested)."""
+    from model.kernels.sparse_attention import _CHUNK_BYTES, gather_sequences
+
+    T, N, C = index_q_TNC.shape
+    page = index_cache.pages.shape[1]
+    S = int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
+    stored_BSX, valid_BS = gather_sequences(index_cache.pages, block_tables_BP, seq_lens_B, S)
+    keys_BSC = dequantize_kv(
+        stored_BSX[:, :, None], index_cache.dtype, index_cache.scale, index_cache.head_dim
+    )
+    keys_BSC = keys_BSC[:, :, 0].where(valid_BS[..., None], 0.0)
+    NB = -(-S // page)
+    out_TNK = torch.empty((T, N, topk), dtype=torch.long, device=index_q_TNC.device)
+    chunk = max(1, _CHUNK_BYTES // max(1, S * C * 4))
+    for t0 in range(0, T, chunk):
+        rows = slice(t0, min(T, t0 + chunk))
+        pos_t = positions_T[rows]
+        scores_tNS = torch.einsum("tnc,tsc->tns", index_q_TNC[rows].float(), keys_BSC[seq_idx_T[rows].long()])
+        is_visible_tS = torch.arange(S, device=pos_t.device) <= pos_t[:, None]
+        scores_tNS = scores_tNS.masked_fill(~is_visible_tS[:, None, :], float("-inf"))
+        scores_tNS = torch.nn.functional.pad(scores_tNS, (0, NB * page - S), value=float("-inf"))
+        block_scores = scores_tNS.view(-1, N, NB, page).amax(dim=-1)
+        out_TNK[rows] = select_blocks(
+            block_scores,
+            (pos_t // page)[:, None],
+            topk=topk,
+            local_blocks=local_blocks,
+            init_blocks=init_blocks,
+        )
+    return out_TNK
+
+
 def check_varlen_args(
     T: int, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor, seq_lens_B
 ) -> None:
@@ -151,8 +196,8 @@ def index_select_blocks(
     check_varlen_args(T, block_tables_BP, seq_idx_T, positions_T, seq_lens_B)
     if topk <= 0:
         raise ValueError(f"topk must be positive, got {topk}")
-    # Triton kernel plugs in here (later issue) for CUDA tensors; CPU keeps the reference.
-    return index_select_blocks_ref(
+    # Triton kernel plugs in here (later issue) for CUDA tensors; until then the batched torch path.
+    return index_select_blocks_torch(
         index_q_TNC, index_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B,
         topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
     )  # fmt: skip

@@ -65,6 +65,69 @@ def sparse_attention_ref(
     return out_THC
 
 
+# Bytes of gathered keys per token chunk in the batched torch path (bounds its peak memory).
+_CHUNK_BYTES = 64 << 20
+
+
+def gather_sequences(
+    pages: torch.Tensor, block_tables_BP: torch.Tensor, seq_lens_B: torch.Tensor, S: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored rows of every sequence, padded to S: pages [P, page, ...] -> ([B, S, ...], valid [B, S]).
+    Slots past a sequence's length (stale or never written) are flagged invalid for the caller to zero."""
+    B, page = block_tables_BP.shape[0], pages.shape[1]
+    n_pages = -(-S // page)
+    table = block_tables_BP[:, :n_pages].long().clamp(min=0)  # unused slots may hold -1
+    rows = pages[table].reshape(B, n_pages * page, *pages.shape[2:])[:, :S]
+    valid_BS = torch.arange(S, device=pages.device) < seq_lens_B[:, None]
+    return rows, valid_BS
+
+
+def sparse_attention_torch(
+    q_THC: torch.Tensor,
+    kv_cache: PagedKV,
+    block_tables_BP: torch.Tensor,
+    seq_idx_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    selected_TNK: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Batched torch path (CPU, and GPU until the Triton kernel lands): every sequence's pages are
+    gathered and dequantized once, then all tokens attend in chunks with per-token masks, instead
+    of the reference's Python loop over sequences. Equal to `sparse_attention_ref` up to fp32
+    summation order (tested)."""
+    T, H, C = q_THC.shape
+    N = kv_cache.pages.shape[1] // 2
+    G, page = H // N, kv_cache.pages.shape[2]
+    S = int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
+    stored_BS2NX, valid_BS = gather_sequences(kv_cache.pages.transpose(1, 2), block_tables_BP, seq_lens_B, S)
+    keep = valid_BS[..., None, None]
+    k_BSNC = dequantize_kv(stored_BS2NX[:, :, 0::2], kv_cache.dtype, kv_cache.k_scale, C).where(keep, 0.0)
+    v_BSNC = dequantize_kv(stored_BS2NX[:, :, 1::2], kv_cache.dtype, kv_cache.v_scale, C).where(keep, 0.0)
+    NB = -(-S // page)
+    key_block_S = torch.arange(S, device=q_THC.device) // page
+    out_THC = torch.empty_like(q_THC)
+    chunk = max(1, _CHUNK_BYTES // max(1, S * N * C * 4))
+    for t0 in range(0, T, chunk):
+        rows = slice(t0, min(T, t0 + chunk))
+        seq_t = seq_idx_T[rows].long()
+        k_tSNC, v_tSNC = k_BSNC[seq_t], v_BSNC[seq_t]
+        q_tNGC = q_THC[rows].float().view(-1, N, G, C)
+        scores_tNGS = torch.einsum("tngc,tsnc->tngs", q_tNGC, k_tSNC) * softmax_scale
+        allowed_tNS = (torch.arange(S, device=q_THC.device) <= positions_T[rows, None])[:, None, :]
+        if selected_TNK is not None:
+            sel_tNK = selected_TNK[rows]
+            keep_tNB = torch.zeros((sel_tNK.shape[0], N, NB + 1), dtype=torch.bool, device=q_THC.device)
+            keep_tNB.scatter_(-1, sel_tNK.masked_fill(sel_tNK < 0, NB), True)
+            allowed_tNS = allowed_tNS & keep_tNB[..., key_block_S]
+        scores_tNGS = scores_tNGS.masked_fill(~allowed_tNS[:, :, None, :], float("-inf"))
+        probs_tNGS = torch.softmax(scores_tNGS, dim=-1).nan_to_num(0.0)  # empty rows -> 0
+        out_tNGC = torch.einsum("tngs,tsnc->tngc", probs_tNGS, v_tSNC)
+        out_THC[rows] = out_tNGC.reshape(-1, H, C).to(q_THC.dtype)
+    return out_THC
+
+
 def sparse_attention(
     q_THC: torch.Tensor,
     kv_cache: PagedKV,
@@ -97,8 +160,8 @@ def sparse_attention(
     ):
         raise ValueError(f"selected_TNK must be an integer [T={T}, N={N}, K] tensor, got "
                          f"{tuple(selected_TNK.shape)} {selected_TNK.dtype}")  # fmt: skip
-    # Triton kernel plugs in here (later issue) for CUDA tensors; CPU keeps the reference.
-    return sparse_attention_ref(
+    # Triton kernel plugs in here (later issue) for CUDA tensors; until then the batched torch path.
+    return sparse_attention_torch(
         q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B, selected_TNK,
         softmax_scale=softmax_scale,
     )  # fmt: skip

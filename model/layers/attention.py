@@ -133,6 +133,13 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.tensor(DEFAULT_KV_SCALE), persistent=False)
         self.register_buffer("index_k_scale", torch.tensor(DEFAULT_KV_SCALE), persistent=False)
 
+    @torch.no_grad()
+    def reset_kv_scales(self) -> None:
+        """Back to DEFAULT_KV_SCALE: needed after meta-device materialisation (`to_empty` leaves
+        buffers uninitialised) before a loader sets calibrated values."""
+        for scale in (self.k_scale, self.v_scale, self.index_k_scale):
+            scale.fill_(DEFAULT_KV_SCALE)
+
     def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_scale, v_scale, index_k_scale): give them to `KVCache.set_scales` for this layer."""
         return self.k_scale, self.v_scale, self.index_k_scale

@@ -236,11 +236,13 @@ class ExpertBank(nn.Module):
 
     @torch.no_grad()
     def init_normal_(self, std: float = 0.02, generator: torch.Generator | None = None) -> ExpertBank:
-        """Random N(0, std^2) experts in the bank's format, one expert at a time (tests, tiny models)."""
+        """Random N(0, std^2) experts in the bank's format, one expert at a time (tests, tiny models).
+        Drawn on the CPU (where `generator` lives) and moved, so the bank's device does not change
+        the weights."""
         device = self.w1_weight.device
         for e in range(self.num_experts):
             w = {
-                proj: torch.randn(shape, generator=generator, device=device) * std
+                proj: (torch.randn(shape, generator=generator) * std).to(device)
                 for proj, shape in self.proj_shapes().items()
             }
             self.quantize_expert_(e, w["w1"], w["w3"], w["w2"])

@@ -39,6 +39,9 @@ def test_nvfp4_tiny_checkpoint_round_trip_is_identical_and_sharded(tmp_path):
     loaded = load_model(tmp_path / "ckpt", dtype=torch.float32)
     assert base_fingerprint(loaded) == base_fingerprint(model)
     assert torch.equal(loaded(IDS), model(IDS))
+    # Buffers that are not in the checkpoint (KV scales) are re-initialised, not left as garbage.
+    loaded.config.kv_cache_dtype = model.config.kv_cache_dtype = "nvfp4"
+    assert torch.equal(loaded(IDS, kv_sim=True), model(IDS, kv_sim=True))
     shard = load_file(tmp_path / "ckpt" / index["weight_map"][f"{name}.weight"])
     assert shard[f"{name}.weight"].dtype == torch.uint8
     assert shard[f"{name}.weight_scale"].dtype == torch.float8_e4m3fn

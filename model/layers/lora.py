@@ -1,0 +1,356 @@
+"""LoRA adapters on the frozen (NVFP4 or float) MiniMax-M3 base.
+
+What: `LoRAConfig` (rank, alpha, dropout, which logical linears get an adapter), `LoRALinear` (an
+nn.Linear that *shares* the wrapped layer's weight and adds B(A(x)) * alpha / r), `ExpertLoRA` (the
+routed experts' adapter: per-expert A/B stacked as [E, r, in] / [E, out, r], plugged into the
+`ExpertBank.lora` hook of model/kernels/moe.py), and the model-level functions the trainer, sync and
+export use: `apply_lora`, `lora_state_dict`, `load_lora_state_dict`, `lora_num_parameters`,
+`lora_num_bytes`, `merge_lora`.
+
+Why: the product trains only rank-r adapters over a frozen quantized base and moves only adapter
+tensors between learner and engines; a plain `dict[str, Tensor]` of adapter tensors (the output of
+`lora_state_dict`) is that unit.
+
+Invariants:
+- The base is never copied: `LoRALinear.weight` *is* the wrapped layer's Parameter, so parameter
+  names (`...q_proj.weight`) and `model.checkpoint.base_fingerprint` are the same before and after
+  `apply_lora`; routed-expert storage (NVFP4 buffers) is untouched.
+- Initialisation as PEFT's default: A Kaiming-uniform (a = sqrt(5), nn.Linear's rule), B zeros, so a
+  fresh adapter adds an exact 0 and outputs are bit-identical to the base.
+- Adapter tensor names end in `lora_A.weight` / `lora_B.weight` (PEFT's spelling); every adapter
+  tensor name contains `lora_`, which is how `base_fingerprint` tells adapter from base.
+- `apply_lora` freezes every base parameter; only adapter parameters require grad.
+
+Legend: M tokens, I / O a projection's input / output features, R rank, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.kernels.moe import Proj
+from model.layers.moe import PROJS, ExpertBank
+
+TargetModule = Literal[
+    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
+    "gate_proj", "up_proj", "down_proj",
+]  # fmt: skip
+"""Logical linears an adapter may target. Attention: q/k/v/o; the lightning indexer: index_q/index_k
+(off by default: selection is discrete, they get no gradient through the attention output);
+MLP: gate/up/down of the dense prefix MLP *and* of every MoE layer's shared expert. Routed experts
+are chosen separately (`LoRAConfig.routed_experts`): they are a stacked bank, not nn.Linears."""
+TARGET_MODULES: tuple[str, ...] = get_args(TargetModule)
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+AdapterDtype = Literal["float32", "bfloat16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoRAConfig:
+    """Adapter shape. `alpha` defaults to 2 * r (scaling alpha / r = 2.0), the usual choice for RL
+    fine-tuning with rank-32 adapters; keep alpha fixed when sweeping r to keep the update scale.
+    `dtype` is the adapter parameters' dtype (fp32 by default: the optimizer state is tiny and fp32
+    avoids bf16 rounding of small updates); the delta is cast to the activation dtype when added."""
+
+    r: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    routed_experts: bool = False
+    dtype: AdapterDtype = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            raise ValueError(f"LoRAConfig.r must be a positive int, got {self.r!r}")
+        if not isinstance(self.alpha, int | float) or not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha must be a positive number, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.target_modules, str):
+            raise ValueError(
+                f"LoRAConfig.target_modules must be a list of names, got {self.target_modules!r}"
+            )
+        self.target_modules = list(self.target_modules)
+        unknown = [t for t in self.target_modules if t not in TARGET_MODULES]
+        if unknown:
+            raise ValueError(
+                f"LoRAConfig.target_modules has unknown names {unknown}; valid: {list(TARGET_MODULES)} "
+                "(routed experts: set routed_experts=True)"
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"LoRAConfig.target_modules has duplicates: {self.target_modules}")
+        self.target_modules = [t for t in TARGET_MODULES if t in self.target_modules]  # canonical order
+        if not self.target_modules and not self.routed_experts:
+            raise ValueError("LoRAConfig targets nothing: give target_modules or set routed_experts=True")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LoRAConfig.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        self.alpha = float(self.alpha)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def _init_lora_A_(w_RI: torch.Tensor, generator: torch.Generator | None) -> None:
+    """PEFT's default A init: nn.Linear's Kaiming-uniform rule, bound = 1 / sqrt(fan_in)."""
+    if w_RI.is_meta:  # parameter accounting on the meta device: nothing to fill
+        return
+    # Drawn on the CPU so a seeded adapter is the same tensor whatever device the base lives on.
+    w_cpu = torch.empty(w_RI.shape, dtype=w_RI.dtype)
+    nn.init.kaiming_uniform_(w_cpu, a=math.sqrt(5), generator=generator)
+    w_RI.copy_(w_cpu)
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T (+ b) + dropout(x) A^T B^T * scaling, W / b the wrapped layer's own Parameters.
+
+    Subclasses nn.Linear so code that inspects linears (quantization, counting) still sees one, but
+    never allocates a weight of its own.
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        dtype: torch.dtype = torch.float32,
+        generator: torch.Generator | None = None,
+    ):
+        nn.Module.__init__(self)  # skip nn.Linear.__init__: it would allocate a second weight
+        if isinstance(base, LoRALinear):
+            raise ValueError("LoRALinear: the layer already has an adapter")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameter: frozen base, same name, no copy
+        self.bias = base.bias
+        self.r, self.alpha, self.scaling = r, float(alpha), alpha / r
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, dtype=dtype, device=device)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, dtype=dtype, device=device)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        with torch.no_grad():
+            _init_lora_A_(self.lora_A.weight, generator)
+            self.lora_B.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        x_lora = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        delta = self.lora_B(self.lora_A(x_lora)) * self.scaling
+        return y + delta.to(y.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling as fp32 [O, I]: what merging adds to the base weight."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear around the same (shared) weight and bias, adapter dropped."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha:g}"
+
+
+class _ProjLoRA(nn.Module):
+    """One projection's per-expert factors: lora_A [E, R, I], lora_B [E, O, R]."""
+
+    def __init__(self, e: int, n_out: int, n_in: int, r: int, dtype: torch.dtype, device, generator):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(e, r, n_in, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(e, n_out, r, dtype=dtype, device=device))
+        with torch.no_grad():
+            for i in range(e):  # each expert's A initialised as its own nn.Linear would be
+                _init_lora_A_(self.lora_A[i], generator)
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert LoRA for a routed `ExpertBank`, called by the bank as its `lora` hook
+    (`model.kernels.moe.ExpertDelta`): (e, proj, x_MI) -> x A_e^T B_e^T * scaling, [M, O]."""
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        dtype: torch.dtype = torch.float32,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__()
+        self.num_experts, self.r, self.alpha, self.scaling = bank.num_experts, r, float(alpha), alpha / r
+        device = bank.w1_weight.device
+        for proj, (n_out, n_in) in bank.proj_shapes().items():
+            self.add_module(proj, _ProjLoRA(bank.num_experts, n_out, n_in, r, dtype, device, generator))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, e: int, proj: Proj, x_MI: torch.Tensor) -> torch.Tensor:
+        p: _ProjLoRA = getattr(self, proj)
+        x = self.lora_dropout(x_MI).to(p.lora_A.dtype)
+        return ((x @ p.lora_A[e].T) @ p.lora_B[e].T * self.scaling).to(x_MI.dtype)
+
+    @torch.no_grad()
+    def delta_weight(self, e: int, proj: Proj) -> torch.Tensor:
+        p: _ProjLoRA = getattr(self, proj)
+        return (p.lora_B[e].float() @ p.lora_A[e].float()) * self.scaling
+
+
+# ------------------------------------------------------------------------------ model level
+def _is_target(name: str, targets: set[str]) -> bool:
+    leaf = name.rpartition(".")[2]
+    if leaf not in targets:
+        return False
+    # MLP names only under the dense `mlp` or the MoE `shared_experts` (not e.g. a drafter's layers).
+    if leaf in ("gate_proj", "up_proj", "down_proj"):
+        return ".mlp." in name or ".shared_experts." in name
+    return ".self_attn." in name
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> nn.Module:
+    """Add adapters in place to every targeted linear (and routed-expert bank if asked), freeze the
+    rest, return the model. A-factors are drawn on the CPU from a generator seeded with `seed`, in
+    module order, so two processes building the same adapter get the same tensors on any device."""
+    if any(isinstance(m, LoRALinear | ExpertLoRA) for m in model.modules()):
+        raise ValueError("apply_lora: the model already has LoRA adapters")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    model.requires_grad_(False)
+    targets = set(cfg.target_modules)
+    hits = [
+        (name, m) for name, m in model.named_modules() if type(m) is nn.Linear and _is_target(name, targets)
+    ]
+    banks = [m for m in model.modules() if isinstance(m, ExpertBank)] if cfg.routed_experts else []
+    if not hits and not banks:
+        raise ValueError(f"apply_lora: no module of the model matches target_modules={cfg.target_modules}")
+    dtype = cfg.torch_dtype
+    for name, lin in hits:
+        parent_name, _, leaf = name.rpartition(".")
+        lora = LoRALinear(lin, cfg.r, cfg.alpha, cfg.dropout, dtype, gen)
+        model.get_submodule(parent_name).register_module(leaf, lora)
+    for bank in banks:
+        bank.lora = ExpertLoRA(bank, cfg.r, cfg.alpha, cfg.dropout, dtype, gen)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors only, under the model's parameter names (detached, not copied): the unit that
+    sync and export move. Linear adapters: `{module}.lora_A.weight` [R, I], `.lora_B.weight` [O, R];
+    routed experts: `{bank}.lora.{w1,w2,w3}.lora_A` [E, R, I], `.lora_B` [E, O, R]."""
+    out = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    if not out:
+        raise ValueError("lora_state_dict: the model has no LoRA adapters (call apply_lora first)")
+    return out
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy adapter tensors into the model's adapters. Strict: the names must be exactly the model's
+    adapter names and every shape must match; errors list what is wrong and why it usually happens."""
+    own = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    if not own:
+        raise ValueError("load_lora_state_dict: the model has no LoRA adapters (call apply_lora first)")
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    bad_shape = [
+        f"{n}: got {tuple(t.shape)}, model has {tuple(own[n].shape)}"
+        for n, t in tensors.items()
+        if n in own and tuple(t.shape) != tuple(own[n].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensors, e.g. {unexpected[:3]}")
+    if bad_shape:
+        problems.append(f"{len(bad_shape)} shape mismatches, e.g. {bad_shape[:3]}")
+    if problems:
+        raise ValueError(
+            "load_lora_state_dict: the adapter does not fit this model: " + "; ".join(problems) + ". "
+            "The adapter was trained with other target_modules, another rank, or for another base config."
+        )
+    for n, t in tensors.items():
+        if not t.is_floating_point():
+            raise ValueError(f"load_lora_state_dict: {n} is {t.dtype}; adapter tensors must be float")
+        own[n].copy_(t)
+
+
+def lora_num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def lora_num_bytes(model: nn.Module) -> int:
+    """Bytes of the adapter tensors as held (and as synced / saved in that dtype)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+
+
+@dataclass
+class MergeError:
+    """Squared Frobenius norms summed over a merged group: the exact merged weight W + dW (fp32),
+    the adapter's dW, and the stored-minus-exact error (zero unless storage re-quantized)."""
+
+    exact_sq: float = 0.0
+    delta_sq: float = 0.0
+    error_sq: float = 0.0
+
+    @property
+    def rel_error(self) -> float:
+        """||stored - exact|| / ||exact||: the quantization error merging added, relative."""
+        return math.sqrt(self.error_sq / max(self.exact_sq, 1e-30))
+
+    @property
+    def error_over_delta(self) -> float:
+        """||stored - exact|| / ||dW||: > 1 means rounding moved the weight more than the adapter did."""
+        return math.sqrt(self.error_sq / max(self.delta_sq, 1e-30))
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> dict[str, MergeError]:
+    """Fold every adapter into the base in place and remove the adapters.
+
+    Float linears get W += B A * scaling (computed in fp32, rounded once to W's dtype). A quantized
+    expert bank is dequantized one expert at a time, merged and re-quantized with the bank's own
+    function (`ExpertBank.quantize_expert_`, the one the checkpoint converter uses); a float bank is
+    updated the same way without rounding. Returns, per `{bank}.{proj}` of each merged bank, the
+    error that storage added (summed over experts); float linears' only rounding is to W's dtype.
+    """
+    stats: dict[str, MergeError] = {}
+    for name, m in list(model.named_modules()):
+        if isinstance(m, LoRALinear):
+            m.weight.copy_((m.weight.float() + m.delta_weight()).to(m.weight.dtype))
+            parent_name, _, leaf = name.rpartition(".")
+            model.get_submodule(parent_name).register_module(leaf, m.to_linear())
+        elif isinstance(m, ExpertBank) and isinstance(m.lora, ExpertLoRA):
+            lora, m.lora = m.lora, None
+            for e in range(m.num_experts):
+                w = dict(zip(("w1", "w3", "w2"), m.dequantized(e, torch.float32)))
+                delta = {proj: lora.delta_weight(e, proj) for proj in PROJS}
+                merged = {proj: w[proj] + delta[proj] for proj in PROJS}
+                m.quantize_expert_(e, merged["w1"], merged["w3"], merged["w2"])
+                stored = dict(zip(("w1", "w3", "w2"), m.dequantized(e, torch.float32)))
+                for proj in PROJS:
+                    st = stats.setdefault(f"{name}.{proj}", MergeError())
+                    st.exact_sq += merged[proj].square().sum().item()  # SYNC: export-time statistics
+                    st.delta_sq += delta[proj].square().sum().item()
+                    st.error_sq += (stored[proj] - merged[proj]).square().sum().item()
+    return stats

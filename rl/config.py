@@ -1,0 +1,566 @@
+"""Training configuration: a recipe (YAML) plus dotted overrides -> one validated `TrainConfig`.
+
+What: one dataclass per component (model, LoRA, data, rollout, reward, algorithm, optimizer,
+trainer, tracking, Ray), nested in `TrainConfig`; `load_config(recipe, overrides)` composes
+`recipes/<recipe>.yaml` (a recipe may start with `defaults: [other_recipe, ...]`, merged first, in
+order) with `key.sub=value` overrides; `save_config` / `config_from_yaml` write and read back the
+resolved config that every run directory keeps as `config.yaml`.
+
+Why OmegaConf structured configs: the dataclasses are the schema, so YAML and command-line values
+are converted to the declared type on merge (`trainer.total_steps=5` is an int, `lora.target_modules=
+[q_proj,v_proj]` a list of str, `model.checkpoint=null` None) and Literal modes are checked against
+their choices, with no hand-written parser.
+
+Invariants:
+- An unknown recipe, section or key is a `ValueError` naming it and listing the valid choices (keys
+  of that section); a value of the wrong type is a `ValueError` naming the key and the expected type.
+  `model.overrides` is the one open dict; its keys must be `model.config.ModelConfig` fields.
+- Every section validates itself in `__post_init__`; `TrainConfig.__post_init__` checks the
+  cross-section constraints. A `TrainConfig` that exists is valid.
+- `config_from_yaml(path)` of `save_config(cfg, path)` equals `cfg`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model.config import PRESETS, ModelConfig
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+ModelDtype = Literal["fp32", "bf16"]
+AdapterDtype = Literal["float32", "bfloat16"]
+DataKind = Literal["arithmetic", "dapo_math"]
+RolloutBackend = Literal["native", "vllm"]
+CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4"]
+RewardKind = Literal["math_dapo"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Device = Literal["cpu", "cuda"]
+TrackingMode = Literal["offline", "online", "disabled"]
+
+_WANDB_ENV_MODES: dict[str, TrackingMode] = {
+    "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
+}  # fmt: skip
+
+# Mirrors model.layers.lora.TargetModule (kept here so loading a config does not import torch;
+# tests/rl/test_config.py checks the two agree).
+LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _at_least(obj: Any, section: str, lo: float, *names: str) -> None:
+    """Each named field (None = unset, allowed) must be >= lo."""
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is None or value >= lo, f"{section}.{name} must be >= {lo}, got {value}")
+
+
+# ---------------------------------------------------------------------------------------- sections
+@dataclass
+class ModelSection:
+    """The policy's base. `checkpoint` (a directory written by model/checkpoint.py) wins over
+    `preset` (model.config presets, random init) when both are set; `overrides` replaces
+    ModelConfig fields after either (e.g. `model.overrides.num_hidden_layers=2`)."""
+
+    preset: str | None = "tiny"
+    checkpoint: str | None = None
+    dtype: ModelDtype = "fp32"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "byte"  # "byte" (rl/tokenizer.py) or a Hugging Face tokenizer name/path
+    # Build `checkpoint` with the arithmetic warm-up (rl/warmup.py) when it does not exist yet: the
+    # quickstart's base is made once on the user's machine and cached, not downloaded.
+    warmup: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.preset is not None or self.checkpoint is not None,
+            "model: set model.preset or model.checkpoint (both are null)",
+        )
+        _require(
+            self.preset is None or self.preset in PRESETS,
+            f"model.preset: unknown preset {self.preset!r}; valid presets: {list(PRESETS)}",
+        )
+        valid = [f.name for f in dataclasses.fields(ModelConfig)]
+        unknown = [k for k in self.overrides if k not in valid]
+        _require(
+            not unknown,
+            f"model.overrides: unknown ModelConfig field(s) {unknown}; valid fields: {valid}",
+        )
+        _require(bool(self.tokenizer), "model.tokenizer must be 'byte' or a tokenizer name/path")
+
+
+@dataclass
+class LoRASection:
+    """Adapter shape; mirrors model.layers.lora.LoRAConfig. gate/up/down target the dense-prefix MLP
+    and every MoE layer's shared expert; routed experts are a separate switch."""
+
+    r: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    routed_experts: bool = False
+    dtype: AdapterDtype = "float32"
+
+    def __post_init__(self) -> None:
+        _require(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        _require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        _require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
+        _require(not bad, f"lora.target_modules: unknown module(s) {bad}; valid: {list(LORA_TARGETS)}")
+        _require(
+            bool(self.target_modules) or self.routed_experts,
+            "lora: no adapter target (target_modules is empty and routed_experts is false)",
+        )
+
+
+@dataclass
+class DataSection:
+    """Prompts. `dapo_math`: the hub datasets `hub_train` / `hub_eval` first, falling back to the
+    local parquet files `train_path` / `eval_path` (verl schema) when the hub is unreachable.
+    `arithmetic`: a synthetic dataset (rl/data.py) of `num_train` / `num_eval` problems over
+    integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format."""
+
+    kind: DataKind = "arithmetic"
+    train_path: str | None = None
+    eval_path: str | None = None
+    hub_train: str | None = None
+    hub_eval: str | None = None
+    max_prompt_tokens: int = 512
+    num_train: int = 4096
+    num_eval: int = 128
+    max_operand: int = 50
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least(self, "data", 1, "max_prompt_tokens")
+        if self.kind == "arithmetic":
+            _at_least(self, "data", 1, "num_train", "max_operand")
+            _at_least(self, "data", 0, "num_eval")
+            bad = [op for op in self.ops if op not in ("+", "-", "*")]
+            _require(
+                bool(self.ops) and not bad, f"data.ops must be a non-empty subset of [+, -, *]: {self.ops}"
+            )
+        else:
+            _require(
+                self.train_path is not None or self.hub_train is not None,
+                f"data: kind={self.kind!r} needs data.hub_train or data.train_path",
+            )
+
+
+@dataclass
+class RolloutSection:
+    """Generation. `n_samples` is G (completions per prompt). `kv_cache_dtype` / `index_cache_dtype`
+    None = the model config's. Native engine: `max_pages` pages of one MSA block each,
+    `max_batch_tokens` per forward, `max_num_seqs` running sequences. vLLM: `tensor_parallel_size`
+    and `gpu_memory_utilization`. `num_gpus` is the Ray GPU request per worker, `torch_threads` its
+    CPU threads."""
+
+    backend: RolloutBackend = "native"
+    num_workers: int = 1
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    kv_cache_dtype: CacheDtype | None = None
+    index_cache_dtype: CacheDtype | None = None
+    max_pages: int = 512
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 64
+    num_gpus: float = 0.0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least(self, "rollout", 1, "num_workers", "n_samples", "max_tokens", "max_pages")
+        _at_least(
+            self, "rollout", 1, "max_batch_tokens", "max_num_seqs", "tensor_parallel_size", "torch_threads"
+        )
+        _at_least(self, "rollout", 0, "temperature", "num_gpus")
+        _require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+
+
+@dataclass
+class RewardSection:
+    """Scoring: verl's math_dapo (+1 / -1 on the last "Answer:" line) in `num_workers` processes with
+    a per-sample `timeout_s`. DAPO overlong shaping: a response longer than
+    max_tokens - overlong_buffer loses up to `overlong_penalty`, linearly over the buffer (0 = off)."""
+
+    kind: RewardKind = "math_dapo"
+    num_workers: int = 1
+    timeout_s: float = 5.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _at_least(self, "reward", 1, "num_workers")
+        _at_least(self, "reward", 0, "overlong_buffer", "overlong_penalty")
+        _require(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class AlgoSection:
+    """GRPO / DAPO. `batch_prompts` (B) prompts x G samples per step; clip range [1 - eps_low,
+    1 + eps_high]; `kl_coef` > 0 adds the k3 KL to the base; `tis_cap` caps the token-level
+    importance ratio learner/rollout (None = off); dynamic sampling drops zero-variance groups and
+    regenerates up to `max_regen_rounds` times. `mini_batch_prompts` splits a step's batch into
+    optimizer updates of that many prompts' groups (None = one update per step, as GRPO's default;
+    DAPO uses 32 of 512), repeated `ppo_epochs` times."""
+
+    batch_prompts: int = 8
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    loss_agg: LossAgg = "token-mean"
+    kl_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    dynamic_sampling: bool = True
+    max_regen_rounds: int = 3
+    ppo_epochs: int = 1
+    mini_batch_prompts: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least(self, "algo", 1, "batch_prompts", "ppo_epochs")
+        _at_least(self, "algo", 0, "eps_high", "kl_coef", "max_regen_rounds")
+        _require(0 <= self.eps_low < 1, f"algo.eps_low must be in [0, 1), got {self.eps_low}")
+        _require(
+            self.tis_cap is None or self.tis_cap > 0, f"algo.tis_cap must be > 0 or null: {self.tis_cap}"
+        )
+        mb = self.mini_batch_prompts
+        _require(
+            mb is None or (mb >= 1 and self.batch_prompts % mb == 0),
+            f"algo.mini_batch_prompts must divide algo.batch_prompts={self.batch_prompts}, got {mb}",
+        )
+
+
+@dataclass
+class OptimSection:
+    """AdamW over the adapter parameters only; linear warm-up over `warmup_steps` trainer steps (the
+    schedule advances once per GRPO step, as verl's, however many mini-batch updates a step makes),
+    then constant; global grad-norm clipping at `grad_clip` (0 = off)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _at_least(self, "optim", 0, "weight_decay", "warmup_steps", "grad_clip")
+        _require(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1), got {self.betas}")
+        _require(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
+
+
+@dataclass
+class TrainerSection:
+    """The step loop. `eval_every` / `save_every` in steps (0 = never); evaluation samples
+    `eval_n_samples` completions per eval prompt (avg@k) at `eval_temperature` / `eval_top_p`.
+    `micro_batch_size` sequences per learner forward/backward. `kv_sim` makes the learner's attention
+    see K/V through the engine's cache quantization. `num_learners` learner actors request `num_gpus`
+    each (a learner shards the model over its GPUs); `torch_threads` CPU threads per learner;
+    `keep_checkpoints` is how many step checkpoints stay."""
+
+    total_steps: int = 100
+    micro_batch_size: int = 8
+    eval_every: int = 10
+    eval_n_samples: int = 1
+    eval_temperature: float = 0.0
+    eval_top_p: float = 1.0
+    save_every: int = 50
+    keep_checkpoints: int = 3
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    device: Device = "cpu"
+    kv_sim: bool = False
+    num_learners: int = 1
+    num_gpus: float = 0.0
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least(self, "trainer", 1, "total_steps", "micro_batch_size", "eval_n_samples")
+        _at_least(self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads")
+        _at_least(self, "trainer", 0, "eval_every", "save_every", "eval_temperature", "num_gpus")
+        _require(0 < self.eval_top_p <= 1, f"trainer.eval_top_p must be in (0, 1], got {self.eval_top_p}")
+
+
+@dataclass
+class TrackingSection:
+    """Weights & Biases. `mode` None = WANDB_MODE if set, else online iff WANDB_API_KEY is set, else
+    offline (see `resolved_mode`); `log_samples` completions per step go to the samples table."""
+
+    mode: TrackingMode | None = None
+    project: str = "nvfp4-rl"
+    entity: str | None = None
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    log_samples: int = 8
+
+    def __post_init__(self) -> None:
+        _require(bool(self.project), "tracking.project must be a non-empty string")
+        _at_least(self, "tracking", 0, "log_samples")
+
+    def resolved_mode(self) -> TrackingMode:
+        """`mode` if set; else W&B's own WANDB_MODE variable if set; else online iff WANDB_API_KEY."""
+        if self.mode is not None:
+            return self.mode
+        env = _WANDB_ENV_MODES.get(os.environ.get("WANDB_MODE", "").strip().lower())
+        if env is not None:
+            return env
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+@dataclass
+class RaySection:
+    """`address` None starts an embedded local Ray instance; "auto" or host:port joins a cluster."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least(self, "ray", 1, "num_cpus")
+        _at_least(self, "ray", 0, "num_gpus")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs. `output_dir` None is filled by `load_config` with
+    `runs/<recipe>-<YYYYmmdd-HHMMSS>`; `resume` is None, "auto" (latest valid checkpoint under
+    output_dir, if any) or a checkpoint directory."""
+
+    recipe: str = "custom"
+    output_dir: str | None = None
+    resume: str | None = None
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoRASection = field(default_factory=LoRASection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    ray: RaySection = field(default_factory=RaySection)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.reward.overlong_buffer < self.rollout.max_tokens,
+            f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens "
+            f"({self.rollout.max_tokens})",
+        )
+        _require(self.resume != "", "resume must be null, 'auto' or a checkpoint path (got '')")
+        if self.trainer.device == "cpu":
+            _require(
+                self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,
+                "trainer.device=cpu but rollout.num_gpus / trainer.num_gpus ask for GPUs; "
+                "set trainer.device=cuda or the GPU counts to 0",
+            )
+
+
+# ----------------------------------------------------------------------------- loading and saving
+def available_recipes(recipes_dir: Path | None = None) -> list[str]:
+    return sorted(p.stem for p in (recipes_dir or RECIPES_DIR).glob("*.yaml"))
+
+
+def load_config(
+    recipe: str, overrides: Sequence[str] = (), *, recipes_dir: Path | str | None = None
+) -> TrainConfig:
+    """`recipe` is a name in `recipes_dir` (default: the repo's recipes/) or a path to a .yaml file;
+    `overrides` are `dotted.key=value` strings applied in order after the recipe."""
+    rdir = Path(recipes_dir) if recipes_dir is not None else RECIPES_DIR
+    if recipe.endswith((".yaml", ".yml")) and Path(recipe).is_file():
+        name, body = Path(recipe).stem, _compose_file(Path(recipe), rdir, ())
+    else:
+        name, body = recipe, _compose(recipe, rdir, ())
+    cfg = _merge(OmegaConf.structured(TrainConfig), body, f"recipe {name!r}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        _require(bool(sep) and bool(key), f"override {item!r} is not key=value (e.g. trainer.total_steps=5)")
+        if key == "recipe":
+            raise ValueError("'recipe' cannot be overridden; pass it as recipe=NAME to the entry point")
+        _check_key_path(key.split("."), f"override {item!r}")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), f"override {item!r}", key)
+    cfg.recipe = name
+    if cfg.output_dir is None:
+        cfg.output_dir = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _to_object(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (creating parent directories)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    path.write_text(f"# resolved config of recipe {cfg.recipe!r} (rl.config.config_from_yaml)\n{text}")
+
+
+def config_from_yaml(path: str | Path) -> TrainConfig:
+    """Read a config written by `save_config` (or any full/partial config YAML) back, validated."""
+    body = _load_yaml(Path(path))
+    return _to_object(_merge(OmegaConf.structured(TrainConfig), body, f"config {str(path)!r}"))
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain nested dict (lists for tuples) for W&B's run config and JSON."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(out, dict)
+    return _lists(out)
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_lists(v) for v in value]
+    return value
+
+
+# -------------------------------------------------------------------------------------- internals
+def _load_yaml(path: Path) -> dict[str, Any]:
+    body = yaml.safe_load(path.read_text()) or {}
+    _require(isinstance(body, dict), f"{path}: a recipe must be a YAML mapping, got {type(body).__name__}")
+    return body
+
+
+def _compose(name: str, rdir: Path, chain: tuple[str, ...]) -> dict[str, Any]:
+    valid = available_recipes(rdir)
+    if name not in valid:
+        via = f" (in the defaults of {chain[-1]!r})" if chain else ""
+        raise ValueError(f"unknown recipe {name!r}{via}; valid recipes: {valid}")
+    return _compose_file(rdir / f"{name}.yaml", rdir, chain)
+
+
+def _compose_file(path: Path, rdir: Path, chain: tuple[str, ...]) -> dict[str, Any]:
+    """The recipe's `defaults` (merged in order, each recursively composed) then its own body."""
+    if path.stem in chain:
+        raise ValueError(f"recipe defaults form a cycle: {' -> '.join([*chain, path.stem])}")
+    body = _load_yaml(path)
+    bases = body.pop("defaults", []) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    _require(
+        isinstance(bases, list) and all(isinstance(b, str) for b in bases),
+        f"{path}: 'defaults' must be a list of recipe names, got {bases!r}",
+    )
+    _check_tree(body, TrainConfig, "", f"recipe {path.stem!r}")
+    merged = OmegaConf.create({})
+    for base in bases:
+        merged = OmegaConf.merge(merged, _compose(base, rdir, (*chain, path.stem)))
+    out = OmegaConf.to_container(OmegaConf.merge(merged, body))
+    assert isinstance(out, dict)
+    return out
+
+
+def _section_of(cls: type, name: str) -> type | None:
+    """The dataclass type of field `name` of `cls`, or None for a leaf (or open dict)."""
+    hint = typing.get_type_hints(cls)[name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _unknown_key(key: str, section: str, cls: type, where: str) -> ValueError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    scope = f"section {section!r}" if section else "the top level"
+    return ValueError(f"{where}: unknown key {key!r} in {scope}; valid keys: {valid}")
+
+
+def _check_key_path(parts: list[str], where: str) -> None:
+    cls: type | None = TrainConfig
+    for i, part in enumerate(parts):
+        if cls is None:  # below a leaf or an open dict (model.overrides: checked in __post_init__)
+            return
+        if part not in {f.name for f in dataclasses.fields(cls)}:
+            raise _unknown_key(part, ".".join(parts[:i]), cls, where)
+        cls = _section_of(cls, part)
+    if cls is not None:
+        valid = [f.name for f in dataclasses.fields(cls)]
+        raise ValueError(
+            f"{where}: {'.'.join(parts)!r} is a section, not a value; set one of its keys "
+            f"(e.g. {'.'.join(parts)}.{valid[0]}=...); valid keys: {valid}"
+        )
+
+
+def _check_tree(node: dict[str, Any], cls: type, prefix: str, where: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in node.items():
+        if key not in names:
+            raise _unknown_key(key, prefix.rstrip("."), cls, where)
+        sub = _section_of(cls, key)
+        if sub is not None and isinstance(value, dict):
+            _check_tree(value, sub, f"{prefix}{key}.", where)
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    if get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    if get_origin(hint) is not None:
+        return repr(hint).replace("typing.", "")
+    return getattr(hint, "__name__", repr(hint))
+
+
+def _expected(full_key: str) -> str:
+    cls: Any = TrainConfig
+    hint: Any = None
+    for part in full_key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return "a value of the declared type"
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return "a value of the declared type"
+        hint = hints[part]
+        cls = hint
+    if dataclasses.is_dataclass(hint):
+        return f"a mapping (section {full_key!r}), not a single value"
+    return _type_name(hint)
+
+
+def _merge(cfg: DictConfig, other: Any, where: str, key: str | None = None) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(cfg, other)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or key
+        detail = str(e).split("\n")[0]
+        if not key:
+            raise ValueError(f"{where}: {detail}") from None
+        raise ValueError(
+            f"{where}: invalid value for {key!r}: expected {_expected(key)} ({detail})"
+        ) from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _to_object(cfg: DictConfig) -> TrainConfig:
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ValueError(str(e).split("\n")[0]) from None
+    assert isinstance(obj, TrainConfig)
+    return obj

@@ -1,0 +1,308 @@
+"""Prompt datasets for GRPO: DAPO-Math-17K, AIME-2024, synthetic arithmetic, and a resumable stream.
+
+What: every dataset becomes a list of `Prompt(uid, messages, ground_truth, data_source)` whose user
+message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). `PromptStream` serves
+batches in a per-epoch shuffled order that depends only on (seed, epoch), with a cursor that
+`state_dict()` / `load_state_dict()` carry across a checkpoint, so a resumed run sees exactly the
+prompts an uninterrupted one would.
+
+Why this shape: records are typed dataclasses (they cross Ray actor boundaries); the hub is tried
+first as the recipes say, but offline machines fall back, with a logged message, to a local verl-style
+parquet (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}).
+
+Invariants: uids are stable across runs (derived from the problem text) and unique within a dataset
+(prompts are deduplicated by problem text); a batch never holds the same uid twice (an epoch's
+remainder smaller than a batch is skipped); arithmetic train and eval problems are disjoint for
+every seed (the split is a fixed hash of the problem, the seed only picks which problems).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DAPO_HUB = "BytedTsinghua-SIA/DAPO-Math-17k"
+# DAPO's prompt template (the DAPO-Math-17K hub rows carry it; the local copy has it stripped).
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+REQUIRED_COLUMNS = ("prompt", "reward_model")
+ArithOp = Literal["+", "-", "*"]
+Split = Literal["train", "eval"]
+# Arithmetic problems whose crc32 % EVAL_MODULUS == 0 form the eval split (10%).
+EVAL_MODULUS = 10
+_ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, larger ones sampled
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. `messages` is a chat ([{role, content}]); `ground_truth` the reference answer."""
+
+    uid: str
+    messages: list[dict[str, str]] = field(hash=False)
+    ground_truth: str
+    data_source: str
+
+
+def dapo_template(problem: str) -> str:
+    return f"{DAPO_PREFIX}{problem}{DAPO_SUFFIX}"
+
+
+def strip_dapo_template(content: str) -> str:
+    """The bare problem of a user message, with DAPO's template removed if present."""
+    text = content.strip()
+    if text.startswith(DAPO_PREFIX.strip()):
+        text = text[len(DAPO_PREFIX.strip()) :]
+    if text.endswith(DAPO_SUFFIX.strip()):
+        text = text[: -len(DAPO_SUFFIX.strip())]
+    return text.strip()
+
+
+def _uid(source: str, problem: str) -> str:
+    return f"{source}-{hashlib.sha1(problem.encode('utf-8')).hexdigest()[:16]}"
+
+
+# --------------------------------------------------------------------------- verl-style rows
+def _check_columns(columns: Iterable[str], where: str) -> None:
+    columns = list(columns)
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise ValueError(
+            f"{where} is missing column {missing[0]!r} (needs verl-style columns data_source, "
+            f"prompt = [{{role, content}}], reward_model = {{ground_truth}}); it has {columns}"
+        )
+
+
+def records_from_rows(
+    rows: Iterable[Mapping[str, Any]], default_source: str, uid_prefix: str
+) -> list[Prompt]:
+    """verl-style rows -> DAPO-templated `Prompt`s, deduplicated by problem text (first kept).
+    The problem is the last user message, system messages (e.g. Qwen's \\boxed{} prompt) dropped."""
+    out, seen = [], set()
+    for row in rows:
+        users = [m for m in row["prompt"] if m["role"] == "user"]
+        if not users:
+            raise ValueError(f"row without a user message in {uid_prefix} data: {row['prompt']!r}")
+        truth = (row["reward_model"] or {}).get("ground_truth")
+        if truth is None:
+            raise ValueError(
+                f"row without reward_model.ground_truth in {uid_prefix} data: {row['reward_model']!r}"
+            )
+        problem = strip_dapo_template(users[-1]["content"])
+        if problem in seen:
+            continue
+        seen.add(problem)
+        messages = [{"role": "user", "content": dapo_template(problem)}]
+        out.append(
+            Prompt(_uid(uid_prefix, problem), messages, str(truth), row.get("data_source") or default_source)
+        )
+    return out
+
+
+def read_parquet_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a verl-style parquet; a clear error names a missing column."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"parquet file {str(path)!r} not found: set data.train_path / data.eval_path to a verl-style "
+            "parquet (copies of DAPO-Math-17K and AIME-2024 live in <repo>/../shared/data)"
+        )
+    names = pq.read_schema(path).names
+    _check_columns(names, f"parquet {str(path)!r}")
+    columns = [c for c in ("data_source", *REQUIRED_COLUMNS) if c in names]
+    return pq.read_table(path, columns=columns).to_pylist()
+
+
+def _load_rows(hub: str | None, path: str | Path | None, what: str) -> Iterable[Mapping[str, Any]]:
+    """Rows from the hub dataset `hub` (split 'train'), else from the local parquet `path`."""
+    if hub is not None:
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(hub, split="train")
+            _check_columns(ds.column_names, f"hub dataset {hub!r}")
+            # Only the columns we read: the hub DAPO split has ~1.8M rows (its block repeated).
+            return ds.select_columns([c for c in ("data_source", *REQUIRED_COLUMNS) if c in ds.column_names])
+        except (ConnectionError, OSError) as e:  # datasets' offline / unreachable errors
+            if path is None:
+                raise FileNotFoundError(
+                    f"{what}: the hub dataset {hub!r} is unreachable ({type(e).__name__}: {e}) and no local "
+                    f"parquet was given; set the local path (data.train_path / data.eval_path)"
+                ) from e
+            log.warning(
+                "%s: hub dataset %r unreachable (%s); falling back to the local parquet %s", what, hub,
+                type(e).__name__, path,
+            )  # fmt: skip
+    if path is None:
+        raise ValueError(f"{what}: give a hub dataset name or a local parquet path")
+    return read_parquet_rows(path)
+
+
+def load_dapo_math(train_path: str | Path | None = None, hub: str | None = DAPO_HUB) -> list[Prompt]:
+    """DAPO-Math-17K: the hub dataset (which repeats its 17.9K unique rows ~100x), else the local
+    parquet; deduplicated by problem text, each problem wrapped in DAPO's template.
+    Tip: without network, HF_HUB_OFFLINE=1 skips the hub's ~20 s of retries."""
+    return records_from_rows(_load_rows(hub, train_path, "DAPO-Math-17K"), "DAPO-17k", "dapo")
+
+
+def load_aime_2024(path: str | Path | None = None, hub: str | None = None) -> list[Prompt]:
+    """AIME-2024 (verl-style rows), re-templated like the training prompts: the Qwen \\boxed{}
+    system prompt is dropped and the problem wrapped in DAPO's "Answer:" template."""
+    return records_from_rows(_load_rows(hub, path, "AIME-2024"), "aime_2024", "aime2024")
+
+
+# --------------------------------------------------------------------------- synthetic arithmetic
+def _arith_answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _arith_text(a: int, op: str, b: int) -> str:
+    return f"{a}{op}{b}"
+
+
+def _arith_split(problem: str) -> Split:
+    return "eval" if zlib.crc32(problem.encode()) % EVAL_MODULUS == 0 else "train"
+
+
+def arithmetic_dataset(
+    n: int,
+    seed: int = 0,
+    max_operand: int = 50,
+    ops: Sequence[ArithOp] | str = ("+", "-"),
+    split: Split = "train",
+) -> list[Prompt]:
+    """`n` distinct problems "a<op>b=" with a, b in [0, max_operand] (ordered pairs: "-" may give a
+    negative answer), ground truth str(answer); the expected completion is "Answer: <answer>".
+    Problems of `split` only (about 90% train / 10% eval, fixed by a hash of the problem text)."""
+    ops = list(ops)
+    bad = [op for op in ops if op not in ("+", "-", "*")]
+    if not ops or bad:
+        raise ValueError(f"ops must be a non-empty subset of ['+', '-', '*'], got {ops}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if max_operand < 0 or n < 0:
+        raise ValueError(f"need n >= 0 and max_operand >= 0, got n={n}, max_operand={max_operand}")
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    side = max_operand + 1
+    if len(ops) * side * side <= _ENUMERATE_LIMIT:
+        pool = [(a, op, b) for op in ops for a in range(side) for b in range(side)]
+        pool = [t for t in pool if _arith_split(_arith_text(*t)) == split]
+        if n > len(pool):
+            raise ValueError(
+                f"asked for {n} {split} problems but only {len(pool)} exist with max_operand={max_operand} "
+                f"and ops={ops}: raise max_operand, add ops, or lower the count"
+            )
+        chosen = [pool[i] for i in rng.choice(len(pool), size=n, replace=False)]
+    else:  # huge space: rejection-sample distinct problems (collisions are rare)
+        chosen, seen = [], set()
+        while len(chosen) < n:
+            t = (int(rng.integers(side)), ops[int(rng.integers(len(ops)))], int(rng.integers(side)))
+            if t not in seen and _arith_split(_arith_text(*t)) == split:
+                seen.add(t)
+                chosen.append(t)
+    return [
+        Prompt(f"arith-{_arith_text(a, op, b)}", [{"role": "user", "content": f"{_arith_text(a, op, b)}="}],
+               str(_arith_answer(a, op, b)), "arithmetic")
+        for a, op, b in chosen
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the stream
+class PromptStream:
+    """Infinite batches of `batch_size` prompts; epoch e visits the records in the permutation drawn
+    from (seed, e); the cursor (epoch, position) is the whole state."""
+
+    def __init__(self, records: Sequence[Prompt], batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(records) < batch_size:
+            raise ValueError(f"the dataset has {len(records)} prompts, fewer than one batch of {batch_size}")
+        self.records = list(records)
+        self.batch_size, self.seed = batch_size, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def next_batch(self) -> list[Prompt]:
+        if self.pos + self.batch_size > len(self.records):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        idx = self._order[self.pos : self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return [self.records[i] for i in idx]
+
+    def __iter__(self) -> Iterator[list[Prompt]]:
+        return self
+
+    def __next__(self) -> list[Prompt]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "batch_size": self.batch_size,
+                "num_records": len(self.records)}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        for key, mine in (
+            ("seed", self.seed),
+            ("batch_size", self.batch_size),
+            ("num_records", len(self.records)),
+        ):
+            if state[key] != mine:
+                raise ValueError(
+                    f"data cursor was saved with {key}={state[key]} but this stream has {key}={mine}: "
+                    "resume with the same data and seed as the checkpointed run"
+                )
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._permutation(self.epoch)
+
+
+def filter_prompt_length(records: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
+    """Drop prompts longer than `max_tokens` once chat-templated and tokenized (logged)."""
+    kept = [
+        p for p in records if len(tokenizer.encode(tokenizer.apply_chat_template(p.messages))) <= max_tokens
+    ]
+    if len(kept) < len(records):
+        log.warning(
+            "dropped %d of %d prompts longer than %d tokens",
+            len(records) - len(kept),
+            len(records),
+            max_tokens,
+        )
+    return kept
+
+
+def build_datasets(
+    data: Any, *, seed: int, batch_size: int, tokenizer: Any = None
+) -> tuple[PromptStream, list[Prompt]]:
+    """(train stream, eval prompts) for an rl.config.DataSection. `data.seed` fixes which synthetic
+    problems exist; `seed` (the trainer's) fixes the order they are served in. With a `tokenizer`,
+    prompts over `data.max_prompt_tokens` tokens are dropped from both."""
+    if data.kind == "arithmetic":
+        common = {"seed": data.seed, "max_operand": data.max_operand, "ops": list(data.ops)}
+        train = arithmetic_dataset(data.num_train, split="train", **common)
+        evals = arithmetic_dataset(data.num_eval, split="eval", **common)
+    elif data.kind == "dapo_math":
+        train = load_dapo_math(data.train_path, hub=data.hub_train)
+        has_eval = data.eval_path is not None or data.hub_eval is not None
+        evals = load_aime_2024(data.eval_path, hub=data.hub_eval) if has_eval else []
+    else:
+        raise ValueError(f"unknown data.kind {data.kind!r}; valid: arithmetic, dapo_math")
+    if tokenizer is not None:
+        train = filter_prompt_length(train, tokenizer, data.max_prompt_tokens)
+        evals = filter_prompt_length(evals, tokenizer, data.max_prompt_tokens)
+    return PromptStream(train, batch_size=batch_size, seed=seed), evals

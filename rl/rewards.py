@@ -1,0 +1,216 @@
+"""Rule-based rewards for math completions, scored in child processes with a per-sample timeout.
+
+What: `score_math_dapo(text, truth)` is DAPO's reward (+1 correct / -1 wrong, from the last
+"Answer:" line, Minerva-normalised) via verl's `math_dapo.compute_score`, plus one fix: integer
+answers compare without leading zeros ("7" == "007"; AIME keys are sometimes zero-padded).
+`score_batch` / `ScoringPool` run any scorer of that signature in worker processes so that a scorer
+that hangs (pathological regex, huge input) or raises costs one sample (score -1 and an `error`
+field), never the batch or the caller.
+
+Why processes, not threads or signals: a hung thread cannot be stopped, and SIGALRM only works in
+a process's main thread and cannot interrupt C code; a child process can always be killed. Children
+start from a 'forkserver' (a clean single-threaded server process), which is safe inside a Ray
+actor, whose process runs threads that a plain fork() would copy in arbitrary states.
+
+Invariants: `score_batch` returns one dict per input, in input order, each with `score` (float),
+`acc` (bool) and `pred` (str | None), plus `error` (str) when the scorer failed or timed out; the
+scorer must be a picklable module-level function `(text, ground_truth) -> dict | float`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import multiprocessing as mp
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from types import ModuleType
+from typing import Any
+
+Scorer = Callable[[str, str], "dict[str, Any] | float"]
+FAILED_SCORE = -1.0
+
+_INT_RE = re.compile(r"[+-]?(\d+)")
+_math_dapo: ModuleType | None = None
+
+
+def _verl_math_dapo() -> ModuleType:
+    """verl's `reward_score/math_dapo.py`. That file needs only `re`, but importing it the normal way
+    runs `verl/__init__`, which pulls in torch and Ray (~7 s per fresh scoring process). So, unless
+    verl is already imported, load that one file by path (it is still verl's code, unmodified)."""
+    global _math_dapo
+    if _math_dapo is None:
+        if "verl" in sys.modules:
+            _math_dapo = importlib.import_module("verl.utils.reward_score.math_dapo")
+        else:
+            spec = importlib.util.find_spec("verl")
+            if spec is None or not spec.submodule_search_locations:
+                raise ModuleNotFoundError(
+                    "verl is required for math_dapo scoring: install it (see the Makefile)"
+                )
+            path = f"{next(iter(spec.submodule_search_locations))}/utils/reward_score/math_dapo.py"
+            file_spec = importlib.util.spec_from_file_location("_verl_math_dapo", path)
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)
+            _math_dapo = module
+    return _math_dapo
+
+
+def _canonical_int(s: str | None) -> str | None:
+    """'007' -> '7', '-0' -> '0', '+12' -> '12'; None for anything that is not a plain integer."""
+    if s is None:
+        return None
+    m = _INT_RE.fullmatch(s.strip())
+    if m is None:
+        return None
+    digits = m.group(1).lstrip("0") or "0"
+    return digits if s.strip()[0] != "-" or digits == "0" else "-" + digits
+
+
+def score_math_dapo(completion_text: str, ground_truth: str) -> dict[str, Any]:
+    """DAPO math reward: {'score': +1.0 | -1.0, 'acc': bool, 'pred': normalised prediction | None}.
+
+    verl's `compute_score` decides; a wrong verdict is overturned only when the prediction and the
+    (Minerva-normalised) ground truth are both plain integers equal after dropping leading zeros."""
+    md = _verl_math_dapo()
+    out = md.compute_score(completion_text, ground_truth)
+    score, acc, pred = float(out["score"]), bool(out["acc"]), out["pred"]
+    if not acc:
+        p, g = _canonical_int(pred), _canonical_int(md.normalize_final_answer(ground_truth))
+        if p is not None and p == g:
+            score, acc = 1.0, True
+    return {"score": score, "acc": acc, "pred": pred}
+
+
+def _normalise(out: Any) -> dict[str, Any]:
+    if isinstance(out, dict):
+        score = float(out["score"])
+        return {**out, "score": score, "acc": bool(out.get("acc", score > 0)), "pred": out.get("pred")}
+    score = float(out)
+    return {"score": score, "acc": score > 0, "pred": None}
+
+
+def _failed(error: str) -> dict[str, Any]:
+    return {"score": FAILED_SCORE, "acc": False, "pred": None, "error": error}
+
+
+def _worker_main(conn: Connection, scorer: Scorer) -> None:
+    """Child loop: receive (index, text, truth), send back (index, result, error); None stops it."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent closed the pipe (pool closed or its process ended)
+            return
+        if msg is None:
+            return
+        i, text, truth = msg
+        try:
+            conn.send((i, _normalise(scorer(text, truth)), None))
+        except Exception as e:  # a scorer bug costs one sample, never the batch
+            conn.send((i, None, f"{type(e).__name__}: {e}"))
+
+
+class ScoringPool:
+    """`num_workers` scoring processes that live across calls (a RewardWorker keeps one, so no
+    process start-up per step). A worker that times out or dies is killed and replaced.
+    Use as a context manager, or call `close()`."""
+
+    def __init__(self, scorer: Scorer = score_math_dapo, num_workers: int = 1):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.scorer = scorer
+        self._ctx = mp.get_context("forkserver")
+        self._procs: list[Any] = [None] * num_workers
+        self._conns: list[Connection | None] = [None] * num_workers
+        self.restarts = 0
+
+    def _start(self, slot: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.scorer), daemon=True)
+        proc.start()
+        child.close()
+        self._procs[slot], self._conns[slot] = proc, parent
+
+    def _kill(self, slot: int) -> None:
+        proc, conn = self._procs[slot], self._conns[slot]
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            proc.kill()
+            proc.join(timeout=5)
+        self._procs[slot], self._conns[slot] = None, None
+
+    def score(
+        self, texts: Sequence[str], truths: Sequence[str], timeout_s: float = 5.0
+    ) -> list[dict[str, Any]]:
+        """Score every (text, truth) pair; each call of the scorer gets at most `timeout_s` seconds."""
+        if len(texts) != len(truths):
+            raise ValueError(f"{len(texts)} texts but {len(truths)} ground truths")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        results: list[dict[str, Any] | None] = [None] * len(texts)
+        pending = deque(range(len(texts)))
+        busy: dict[int, tuple[int, float]] = {}  # slot -> (sample index, deadline)
+        while pending or busy:
+            for slot in range(len(self._procs)):
+                if pending and slot not in busy:
+                    if self._procs[slot] is None or not self._procs[slot].is_alive():
+                        self._kill(slot)
+                        self._start(slot)
+                    i = pending.popleft()
+                    self._conns[slot].send((i, texts[i], truths[i]))
+                    busy[slot] = (i, time.monotonic() + timeout_s)
+            next_deadline = min(d for _, d in busy.values())
+            ready = wait([self._conns[s] for s in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            for slot in [s for s in busy if self._conns[s] in ready]:
+                i, _ = busy.pop(slot)
+                try:
+                    _, out, err = self._conns[slot].recv()
+                except (EOFError, OSError):  # the child died mid-sample (crash, os._exit, OOM kill)
+                    out, err = None, "scorer process died"
+                    self._kill(slot)
+                    self.restarts += 1
+                results[i] = out if err is None else _failed(err)
+            now = time.monotonic()
+            for slot in [s for s, (_, d) in busy.items() if d <= now]:
+                i, _ = busy.pop(slot)
+                results[i] = _failed(f"timeout: scorer ran longer than {timeout_s:g}s")
+                self._kill(slot)
+                self.restarts += 1
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for slot, conn in enumerate(self._conns):
+            if conn is not None:
+                with contextlib.suppress(OSError):  # the child may already be gone
+                    conn.send(None)
+            proc = self._procs[slot]
+            if proc is not None:
+                proc.join(timeout=1)
+            self._kill(slot)
+
+    def __enter__(self) -> ScoringPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def score_batch(
+    texts: Sequence[str],
+    truths: Sequence[str],
+    timeout_s: float = 5.0,
+    *,
+    scorer: Scorer = score_math_dapo,
+    num_workers: int = 1,
+) -> list[dict[str, Any]]:
+    """Score a batch in fresh worker processes (see `ScoringPool` to keep them across calls)."""
+    if not texts:
+        return []
+    with ScoringPool(scorer, num_workers=min(num_workers, len(texts))) as pool:
+        return pool.score(texts, truths, timeout_s)

@@ -1,0 +1,345 @@
+"""The GRPO step loop (the driver): rollouts -> rewards -> advantages -> update -> adapter sync.
+
+What: `Trainer(cfg)` starts (or joins) Ray, prepares the one NVFP4 base every worker loads,
+starts RolloutWorker / RewardWorker / Learner actors, checks their base fingerprints agree, then
+runs `cfg.trainer.total_steps` GRPO steps with eval, tracking and checkpoints on their schedules,
+and ends by exporting the adapter (PEFT format) to `run_dir/adapter`.
+
+Why here and not in the workers: everything that decides *what* to train on (prompt order, dynamic
+sampling, advantages, which adapter version samples next) lives in one process, so a run is
+reproducible from (config, seed) and resumable from a checkpoint of this loop's state.
+
+Invariants: after start-up only adapter tensors move (rl/sync.py); every sample used in step s was
+generated with adapter version s (on-policy); a resumed run continues exactly as an uninterrupted
+one (all randomness is derived from (seed, step), and the learner's state is checkpointed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rl import grpo
+from rl.config import TrainConfig, config_to_dict, save_config
+from rl.workers import Learner, RewardWorker, RolloutWorker, Sample
+
+
+def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The NVFP4 base directory all workers load. A bf16 source is quantized once, here, with
+    model/nvfp4.py; a preset without a checkpoint gets seeded random weights (dry runs, tests)."""
+    from model.checkpoint import save_model
+    from model.config import ModelConfig
+    from model.convert import convert
+    from model.modeling import MiniMaxM3ForCausalLM
+
+    base = run_dir / "base"
+    if (base / "model.safetensors.index.json").exists():
+        return base
+    m = cfg.model
+    if m.checkpoint:
+        src = Path(m.checkpoint)
+        if not src.exists():
+            raise FileNotFoundError(
+                f"model.checkpoint={m.checkpoint!r} does not exist; give a checkpoint directory "
+                "(config.json + safetensors) or model.checkpoint=null with model.preset=NAME"
+            )
+        src_cfg = ModelConfig.from_pretrained(src)
+        if src_cfg.quantization.routed_experts == "bf16":
+            convert(src, base)
+            return base
+        return src
+    mcfg = dataclasses.replace(ModelConfig.preset(m.preset), **dict(m.overrides))
+    model = MiniMaxM3ForCausalLM(mcfg).init_weights(seed=cfg.trainer.seed)
+    save_model(model, base)
+    return base
+
+
+def group_advantages(samples: list[Sample]) -> None:
+    """Set each sample's GRPO advantage from its group (same uid) in place."""
+    uids = sorted({s.uid for s in samples})
+    index = {u: i for i, u in enumerate(uids)}
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups = torch.tensor([index[s.uid] for s in samples])
+    adv = grpo.group_advantages(rewards, groups)
+    for s, a in zip(samples, adv.tolist(), strict=True):
+        s.advantage = a
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        import ray
+
+        from rl.data import build_datasets
+        from rl.tracking import Tracker
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        from rl.tokenizer import load_tokenizer
+
+        self.train_stream, self.eval_prompts = build_datasets(
+            cfg.data,
+            seed=cfg.trainer.seed,
+            batch_size=cfg.algo.batch_prompts,
+            tokenizer=load_tokenizer(cfg.model.tokenizer),
+        )
+        self.step = 0
+        resume_state = self._find_resume()
+        self.tracker = Tracker(
+            cfg.tracking, self.run_dir, config_to_dict(cfg),
+            resume_run_id=(resume_state or {}).get("wandb_run_id"),
+            resume_step=(resume_state or {}).get("step"),
+        )  # fmt: skip
+
+        t0 = time.perf_counter()
+        base = self.base_dir = prepare_base(cfg, self.run_dir)
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)  # fmt: skip
+        res = {"num_cpus": 0, "num_gpus": cfg.rollout.num_gpus}
+        self.rollout = [
+            ray.remote(**res)(RolloutWorker).remote(cfg, str(base), i) for i in range(cfg.rollout.num_workers)
+        ]
+        self.rewards = [
+            ray.remote(num_cpus=0)(RewardWorker).remote(cfg) for _ in range(cfg.reward.num_workers)
+        ]
+        self.learner = ray.remote(num_cpus=0, num_gpus=cfg.trainer.num_gpus)(Learner).remote(cfg, str(base))
+        prints = ray.get([self.learner.fingerprint.remote()] + [w.fingerprint.remote() for w in self.rollout])
+        if len(set(prints)) != 1:
+            raise RuntimeError(
+                f"base fingerprints differ between learner and rollout workers: {prints}; every worker must "
+                "load the same NVFP4 base (one quantization function) — check model.checkpoint and dtype"
+            )
+        self.base_fingerprint = prints[0]
+        if resume_state:
+            self._restore(resume_state)
+        self._sync()  # engines start with the learner's adapter (fresh: exact zero delta)
+        self.startup_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ pieces of a step
+    def _sync(self) -> dict[str, float]:
+        import ray
+
+        t0 = time.perf_counter()
+        update = ray.get(self.learner.adapter_update.remote())
+        ray.get([w.set_adapter.remote(update) for w in self.rollout])
+        return {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
+                "sync/version": float(update.version)}  # fmt: skip
+
+    def _rollout(self, prompts: list, n: int, temperature: float, seed: int) -> list[Sample]:
+        import ray
+
+        k = len(self.rollout)
+        shards = [prompts[i::k] for i in range(k)]
+        futures = [
+            w.generate.remote(shard, n, temperature, seed * 7919 + i, self.step)
+            for i, (w, shard) in enumerate(zip(self.rollout, shards, strict=True))
+            if shard
+        ]
+        samples = [s for part in ray.get(futures) for s in part]
+        r = len(self.rewards)
+        scored = ray.get([self.rewards[i].score.remote(samples[i::r]) for i in range(r) if samples[i::r]])
+        return [s for part in scored for s in part]
+
+    def train_step(self) -> dict[str, float]:
+        import ray
+
+        c, a = self.cfg, self.cfg.algo
+        t0 = time.perf_counter()
+        kept: list[Sample] = []
+        seen_groups, n_rounds, all_rewards, all_acc, lengths, clipped = 0, 0, [], [], [], 0
+        while True:
+            prompts = self.train_stream.next_batch()
+            samples = self._rollout(
+                prompts, c.rollout.n_samples, c.rollout.temperature, self.step * 100 + n_rounds
+            )
+            n_rounds += 1
+            by_uid: dict[str, list[Sample]] = {}
+            for s in samples:
+                by_uid.setdefault(s.uid, []).append(s)
+                all_rewards.append(s.reward)
+                all_acc.append(s.acc)
+                lengths.append(len(s.response_ids))
+                clipped += s.finish_reason == "length"
+            seen_groups += len(by_uid)
+            for group in by_uid.values():
+                varied = len({s.reward for s in group}) > 1
+                if varied or not a.dynamic_sampling:
+                    kept.extend(group)
+            if not a.dynamic_sampling or len({s.uid for s in kept}) >= a.batch_prompts:
+                break
+            if n_rounds > a.max_regen_rounds:
+                break
+        t_gen = time.perf_counter() - t0
+        metrics: dict[str, float] = {
+            "reward/mean": _mean(all_rewards),
+            "acc/mean": _mean(all_acc),
+            "response_length/mean": _mean(lengths),
+            "response_length/clip_ratio": clipped / max(1, len(lengths)),
+            "dynamic_sampling/kept_groups": float(len({s.uid for s in kept})),
+            "dynamic_sampling/seen_groups": float(seen_groups),
+            "dynamic_sampling/rounds": float(n_rounds),
+            "timing_s/gen": t_gen,
+        }
+        if kept:
+            group_advantages(kept)
+            metrics.update(ray.get(self.learner.timed_train_step.remote(kept)))
+            metrics.update(self._sync())
+        else:
+            metrics["actor/skipped_step"] = 1.0  # every group had equal rewards: nothing to learn from
+            ray.get(self.learner.skip_step.remote())
+            metrics.update(self._sync())
+        n_tokens = sum(lengths)
+        step_s = time.perf_counter() - t0
+        metrics["timing_s/step"] = step_s
+        metrics["perf/tokens_per_s"] = n_tokens / max(t_gen, 1e-9)
+        self._last_samples = kept[: c.tracking.log_samples] if kept else []
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        c = self.cfg
+        samples = self._rollout(
+            self.eval_prompts, c.trainer.eval_n_samples, c.trainer.eval_temperature, 10**6
+        )
+        return {
+            "eval/acc": _mean([s.acc for s in samples]),
+            "eval/reward": _mean([s.reward for s in samples]),
+            "eval/response_length": _mean([len(s.response_ids) for s in samples]),
+        }
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        from tqdm import tqdm
+
+        from rl.tracking import plot_rewards
+
+        c = self.cfg
+        last: dict[str, float] = {}
+        if self.step == 0 and c.trainer.eval_every > 0:
+            ev = self.evaluate()
+            self.tracker.log(0, ev)
+            print(f"step 0: eval/acc = {ev['eval/acc']:.3f}", file=sys.stderr)
+        bar = tqdm(total=c.trainer.total_steps, initial=self.step, desc="GRPO", unit="step", file=sys.stderr)
+        while self.step < c.trainer.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            if c.trainer.eval_every > 0 and (
+                self.step % c.trainer.eval_every == 0 or self.step == c.trainer.total_steps
+            ):
+                metrics.update(self.evaluate())
+            self.tracker.log(self.step, metrics)
+            if self._last_samples:
+                rows = [
+                    {"prompt_len": len(s.prompt_ids), "completion": s.text, "reward": s.reward,
+                     "answer": s.ground_truth}
+                    for s in self._last_samples
+                ]  # fmt: skip
+                self.tracker.log_samples(self.step, rows)
+            plot_rewards(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "reward.png")
+            if c.trainer.save_every > 0 and self.step % c.trainer.save_every == 0:
+                self.save()
+            postfix = {
+                "reward": f"{metrics['reward/mean']:.3f}",
+                "tok_s": f"{metrics['perf/tokens_per_s']:.0f}",
+            }
+            if "eval/acc" in metrics:
+                postfix["eval_acc"] = f"{metrics['eval/acc']:.3f}"
+            bar.set_postfix(postfix)
+            bar.update(1)
+            last = metrics
+        bar.close()
+        adapter_dir = self.export(last)
+        self.tracker.log_artifact(adapter_dir, name=f"adapter-{self.cfg.recipe}", type="lora-adapter")
+        self.tracker.log_image(self.step, "plots/reward", self.run_dir / "plots" / "reward.png")
+        self.tracker.finish()
+        return last
+
+    def close(self) -> None:
+        """Stop this run's actors (the Ray instance itself stays up for whoever started it)."""
+        import ray
+
+        for actor in [*self.rollout, *self.rewards, self.learner]:
+            ray.kill(actor)
+
+    # ------------------------------------------------------------------ state
+    def save(self) -> Path:
+        import ray
+
+        from rl.checkpointing import capture_rng_state, save_checkpoint
+
+        state = ray.get(self.learner.state_dict.remote())
+        return save_checkpoint(self.run_dir, self.step, keep_last=self.cfg.trainer.keep_checkpoints, state={
+            "learner": state, "step": self.step, "data": self.train_stream.state_dict(),
+            "rng": capture_rng_state(), "wandb_run_id": self.tracker.run_id,
+            "base_fingerprint": getattr(self, "base_fingerprint", None),
+        })  # fmt: skip
+
+    def _find_resume(self) -> dict | None:
+        """State of the newest checkpoint that verifies (`resume=auto`: corrupted ones are skipped
+        with a warning), of the given checkpoint (`resume=PATH`: corruption is an error), or None."""
+        from rl.checkpointing import resume_checkpoint
+
+        if not self.cfg.resume:
+            return None
+        found = resume_checkpoint(self.run_dir, self.cfg.resume)
+        if found is None:
+            return None
+        path, state = found
+        print(f"resuming from {path} (step {state['step']})", file=sys.stderr)
+        return state
+
+    def _restore(self, state: dict) -> None:
+        import ray
+
+        from rl.checkpointing import restore_rng_state
+
+        if state.get("base_fingerprint") and state["base_fingerprint"] != self.base_fingerprint:
+            raise RuntimeError("the checkpoint was trained on a different base (fingerprint mismatch)")
+        ray.get(self.learner.load_state_dict.remote(state["learner"]))
+        self.step = state["step"]
+        self.train_stream.load_state_dict(state["data"])
+        restore_rng_state(state["rng"])
+
+    def export(self, metrics: dict[str, float] | None = None) -> Path:
+        """The final adapter in PEFT format (servable by vLLM / `rollout.serve`), with the base's
+        fingerprint and config so a mismatched base is refused at load."""
+        import ray
+
+        from model.adapter import AdapterMetadata, save_adapter
+        from model.config import ModelConfig
+        from model.layers.lora import LoRAConfig
+
+        update = ray.get(self.learner.adapter_update.remote())
+        lc = self.cfg.lora
+        lora = LoRAConfig(r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=list(lc.target_modules))
+        meta = AdapterMetadata(
+            base_fingerprint=self.base_fingerprint,
+            base_config=ModelConfig.from_pretrained(self.base_dir).to_hf_dict(),
+            base_dtype={"fp32": "float32", "bf16": "bfloat16"}[self.cfg.model.dtype],
+            step=self.step,
+            metrics={k: float(v) for k, v in (metrics or {}).items()},
+        )
+        out = self.run_dir / "adapter"
+        save_adapter(
+            None, out, lora, base_model_name_or_path=str(self.base_dir), metadata=meta, tensors=update.tensors
+        )
+        return out
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def run(cfg: TrainConfig) -> dict[str, float]:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -1,0 +1,190 @@
+"""Supervised warm-up that builds the quickstart's base: a `tiny` M3.1-architecture model that
+answers a fraction of the synthetic arithmetic problems, stored with NVFP4 routed experts.
+
+Why: GRPO needs reward variance inside a group. A random model never writes "Answer: 47", so
+every reward is -1 and nothing is learned; a model trained to convergence leaves nothing to learn.
+The warm-up trains (all weights, float experts) on the training split only until greedy accuracy
+on the held-out split first reaches `target_acc`, then quantizes the experts to NVFP4 with
+model/convert.py (the project's one quantization function) and measures the accuracy the RL run
+will start from.
+
+    python -m rl.warmup --out runs/_cache/quickstart-base
+
+`ensure_base(path)` builds it once; later runs reuse the directory (it is keyed by nothing but its
+path: delete it to rebuild).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import load_model, save_model
+from model.config import ModelConfig, QuantConfig
+from model.convert import convert
+from model.modeling import MiniMaxM3ForCausalLM
+from rl.data import Prompt, arithmetic_dataset
+from rl.rewards import score_math_dapo
+from rl.tokenizer import ByteTokenizer
+
+INFO_FILE = "warmup.json"
+
+
+def _example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], int]:
+    prompt = tok.encode(tok.apply_chat_template(p.messages))
+    answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
+    return prompt + answer, len(prompt)
+
+
+def _batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = max(len(ids) for ids, _ in examples) - 1
+    inp = torch.zeros(len(examples), T, dtype=torch.long)
+    tgt = torch.zeros_like(inp)
+    mask = torch.zeros(len(examples), T)
+    for b, (ids, n_prompt) in enumerate(examples):
+        n = len(ids) - 1
+        inp[b, :n] = torch.tensor(ids[:-1])
+        tgt[b, :n] = torch.tensor(ids[1:])
+        mask[b, n_prompt - 1 : n] = 1.0  # loss on the answer tokens and eos only
+    return inp, tgt, mask
+
+
+@torch.no_grad()
+def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_tokens: int = 12) -> float:
+    """Fraction of prompts whose greedy completion scores +1 under DAPO's rule (native engine)."""
+    from rollout.engine import Request, SamplingParams
+    from rollout.native.engine import NativeEngine
+
+    tok = ByteTokenizer()
+    model.eval()
+    engine = NativeEngine(
+        model, max_pages=4 * len(prompts) + 8, max_batch_tokens=4096, max_num_seqs=len(prompts)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
+    reqs = [
+        Request(tuple(tok.encode(tok.apply_chat_template(p.messages))), params, request_id=p.uid)
+        for p in prompts
+    ]
+    outs = engine.generate(reqs)
+    hits = [
+        score_math_dapo(tok.decode(c.token_ids), p.ground_truth)["acc"]
+        for c, p in zip(outs, prompts, strict=True)
+    ]
+    return sum(map(float, hits)) / len(hits)
+
+
+@torch.no_grad()
+def quantized_copy(model: MiniMaxM3ForCausalLM, cfg: ModelConfig) -> MiniMaxM3ForCausalLM:
+    """`model` (float experts) rebuilt with `cfg`'s expert storage, each expert quantized by the
+    bank's own function, i.e. the same bits `model.convert` writes."""
+    out = MiniMaxM3ForCausalLM(cfg)
+    state = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    missing, unexpected = out.load_state_dict(state, strict=False)
+    assert not unexpected and all(".experts." in k for k in missing), (missing, unexpected)
+    for src, dst in zip(model.model.layers, out.model.layers, strict=True):
+        if hasattr(src, "block_sparse_moe"):
+            a, b = src.block_sparse_moe.experts, dst.block_sparse_moe.experts
+            for e in range(a.num_experts):
+                b.quantize_expert_(e, *(w.float() for w in (a.w1_weight[e], a.w3_weight[e], a.w2_weight[e])))
+    return out.eval()
+
+
+def build_quickstart_base(
+    out: str | Path,
+    *,
+    target_acc: float = 0.15,
+    max_steps: int = 3000,
+    eval_every: int = 100,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    num_train: int = 4096,
+    num_eval: int = 128,
+    max_operand: int = 50,
+    log=print,
+) -> dict:
+    out = Path(out)
+    torch.manual_seed(seed)
+    # Experts in float while training (converted to NVFP4 at the end); the KV cache is NVFP4 from
+    # the start and the forward quantize-dequantizes K/V as that cache stores them (straight-through
+    # gradients): a model this small trained on exact K/V loses all its accuracy under an FP8 or
+    # NVFP4 cache, so it learns with the numerics the engine will serve it with.
+    base_cfg = dataclasses.replace(ModelConfig.preset("tiny"), kv_cache_dtype="nvfp4")
+    float_cfg = dataclasses.replace(base_cfg, quantization=QuantConfig(routed_experts="bf16"))
+    model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=seed)
+    model.requires_grad_(True)
+    tok = ByteTokenizer()
+    train = arithmetic_dataset(num_train, seed=0, max_operand=max_operand, split="train")
+    evals = arithmetic_dataset(num_eval, seed=0, max_operand=max_operand, split="eval")
+    examples = [_example(tok, p) for p in train]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    t0, acc, step = time.perf_counter(), 0.0, 0
+    for step in range(1, max_steps + 1):
+        model.train()
+        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
+        inp, tgt, mask = _batch([examples[i] for i in idx])
+        logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % eval_every == 0:
+            # Judge the model the RL run will get: experts in NVFP4, KV in NVFP4. A model this
+            # small can lose all its accuracy to the two roundings together, so the float model's
+            # accuracy says little.
+            acc = greedy_accuracy(quantized_copy(model, base_cfg), evals)
+            log(f"warm-up step {step}: loss {loss.item():.3f}, held-out greedy accuracy (NVFP4) {acc:.3f}")
+            if acc >= target_acc:
+                break
+    # Quantize the routed experts exactly as the RL run will hold them: save float, convert.
+    with tempfile.TemporaryDirectory() as tmp:
+        model.requires_grad_(False)
+        save_model(model.eval(), Path(tmp) / "float")
+        staging = out.with_name(out.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        convert(Path(tmp) / "float", staging)
+    nvfp4_acc = greedy_accuracy(load_model(staging, dtype=torch.float32), evals)
+    info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
+            "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand}  # fmt: skip
+    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)  # the cache appears whole or not at all
+    log(f"warm-up done in {info['seconds']:.0f}s: held-out greedy acc {nvfp4_acc:.3f} (NVFP4 experts, KV)")
+    return info
+
+
+def ensure_base(path: str | Path, log=print) -> Path:
+    path = Path(path)
+    if (path / INFO_FILE).exists():
+        return path
+    log(f"building the quickstart base at {path} (supervised warm-up, once; cached afterwards)")
+    build_quickstart_base(path, log=log)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m rl.warmup", description="Build the quickstart's warmed-up tiny base."
+    )
+    p.add_argument("--out", default="runs/_cache/quickstart-base")
+    p.add_argument("--target-acc", type=float, default=0.15)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    build_quickstart_base(args.out, target_acc=args.target_acc, max_steps=args.max_steps, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

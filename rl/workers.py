@@ -1,0 +1,282 @@
+"""The three kinds of worker in a GRPO run, as plain classes (Ray actors wrap them; tests build them
+directly): `RolloutWorker` (owns an engine), `RewardWorker` (scores completions), `Learner` (base +
+LoRA, optimizer). Data between them travels as the typed `Sample` dataclass.
+
+Invariants: the learner and every rollout worker load the *same* NVFP4 base directory and report
+`base_fingerprint`, which the driver compares before step 0; after that only `AdapterUpdate`s
+(rl/sync.py) move; each `Sample` records the adapter version that generated it, and
+`RolloutWorker.generate` refuses to run with a version older than the one it was asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from model.checkpoint import base_fingerprint, load_model
+from model.layers.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
+from rl import grpo
+from rl.config import TrainConfig
+from rl.sync import AdapterUpdate, make_update
+from rl.tokenizer import load_tokenizer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, from rollout to loss."""
+
+    uid: str  # prompt id (a GRPO group is all samples of one uid in one step)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    adapter_version: int
+    text: str = ""
+    ground_truth: str = ""
+    reward: float = 0.0
+    acc: float = 0.0
+    advantage: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
+    """Base (as stored: NVFP4 experts stay packed) + a fresh LoRA adapter, identical in every process."""
+    model = load_model(base_dir, device=cfg.trainer.device, dtype=_DTYPES[cfg.model.dtype])
+    # The run's cache dtypes go into the model config, which both the engine's cache and the
+    # learner's KV simulation (trainer.kv_sim) read: they cannot disagree.
+    if cfg.rollout.kv_cache_dtype is not None:
+        model.config.kv_cache_dtype = cfg.rollout.kv_cache_dtype
+    if cfg.rollout.index_cache_dtype is not None:
+        model.config.index_cache_dtype = cfg.rollout.index_cache_dtype
+    lora = LoRAConfig(
+        r=cfg.lora.r,
+        alpha=cfg.lora.alpha,
+        dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+    )
+    return apply_lora(model, lora, seed=cfg.trainer.seed)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0):
+        from rollout.native.engine import NativeEngine
+
+        torch.set_num_threads(max(1, cfg.rollout.torch_threads))
+        self.cfg, self.index = cfg, index
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = build_policy(cfg, base_dir).eval()
+        self.engine = NativeEngine(
+            self.model,
+            max_pages=cfg.rollout.max_pages,
+            max_batch_tokens=cfg.rollout.max_batch_tokens,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+        )
+        self.version = 0
+
+    def fingerprint(self) -> str:
+        return base_fingerprint(self.model)
+
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        self.engine.set_adapter(update.tensors, update.version)
+        self.version = update.version
+
+    def generate(
+        self, prompts: list, n: int, temperature: float, seed: int, min_version: int = 0
+    ) -> list[Sample]:
+        """n samples of each prompt. Seeds derive from (seed, prompt position), so a step's rollouts
+        are reproducible whatever the worker count."""
+        from rollout.engine import Request, SamplingParams
+
+        if self.version < min_version:
+            raise RuntimeError(
+                f"rollout worker {self.index} holds adapter v{self.version} but v{min_version} was required: "
+                "a sync was lost; refusing to sample with a stale adapter"
+            )
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=r.top_p if temperature > 0 else 1.0,
+            max_tokens=r.max_tokens,
+            stop_token_ids=tuple(self.tokenizer.stop_token_ids),
+        )
+        requests, ids_by_req = [], []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(p.messages))
+            ids_by_req.append(ids)
+            requests.append(
+                Request(tuple(ids), params, n=n, seed=(seed * 1_000_003 + i) % 2**31, request_id=p.uid)
+            )
+        completions = self.engine.generate(requests)
+        by_uid = {p.uid: p for p in prompts}
+        samples = []
+        for c in completions:
+            p = by_uid[c.request_id]
+            samples.append(
+                Sample(
+                    uid=p.uid,
+                    prompt_ids=list(c.prompt_token_ids),
+                    response_ids=list(c.token_ids),
+                    rollout_logprobs=c.logprobs.tolist(),
+                    finish_reason=c.finish_reason,
+                    adapter_version=c.adapter_version,
+                    text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                    ground_truth=p.ground_truth,
+                )
+            )
+        return samples
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        return {
+            "tokens_generated": s.tokens_generated,
+            "tokens_per_s": s.tokens_per_s,
+            "preemptions": s.preemptions,
+        }
+
+
+class RewardWorker:
+    """Scores completions in a pool of scorer processes with a per-sample timeout: a scorer that
+    hangs or raises gives -1 for that sample only."""
+
+    def __init__(self, cfg: TrainConfig, processes: int = 1):
+        from rl.rewards import ScoringPool
+
+        self.cfg = cfg
+        self.pool = ScoringPool(num_workers=processes)
+
+    def score(self, samples: list[Sample]) -> list[Sample]:
+        results = self.pool.score(
+            [s.text for s in samples], [s.ground_truth for s in samples], timeout_s=self.cfg.reward.timeout_s
+        )
+        r = self.cfg.reward
+        for s, res in zip(samples, results, strict=True):
+            s.acc = float(res["acc"])
+            s.reward = float(res["score"])
+            if r.overlong_buffer > 0:
+                s.reward += float(
+                    grpo.overlong_penalty(
+                        torch.tensor([len(s.response_ids)]), self.cfg.rollout.max_tokens, r.overlong_buffer,
+                        r.overlong_penalty,
+                    )[0]
+                )  # fmt: skip
+            if "error" in res:
+                s.extra["reward_error"] = res["error"]
+        return samples
+
+
+class Learner:
+    def __init__(self, cfg: TrainConfig, base_dir: str):
+        torch.manual_seed(cfg.trainer.seed)
+        torch.set_num_threads(max(1, cfg.trainer.torch_threads))
+        self.cfg = cfg
+        self.model = build_policy(cfg, base_dir)
+        self.model.gradient_checkpointing = cfg.trainer.gradient_checkpointing
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+        )
+        warm = max(0, o.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+        self.version = 0
+
+    def fingerprint(self) -> str:
+        return base_fingerprint(self.model)
+
+    def adapter_update(self) -> AdapterUpdate:
+        return make_update(lora_state_dict(self.model), self.version)
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of the clipped policy loss over `samples` (advantages already set).
+        Token-mean aggregation is over all response tokens of the step, across micro-batches."""
+        cfg, a = self.cfg, self.cfg.algo
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(len(s.response_ids) for s in samples)
+        mb = max(1, cfg.trainer.micro_batch_size)
+        sums: dict[str, float] = {}
+        for start in range(0, len(samples), mb):
+            chunk = samples[start : start + mb]
+            batch = _collate(chunk)
+            logp_BT, ent_BT = self.model.token_logprobs(
+                batch["input_ids"], batch["targets"], seq_ids_BS=batch["seq_ids"], kv_sim=cfg.trainer.kv_sim,
+                with_entropy=True, temperature=cfg.rollout.temperature,
+            )  # fmt: skip
+            mask = batch["mask"]
+            # ppo_epochs = 1 and one mini-batch per step: the "old" policy is the current one.
+            loss, metrics = grpo.policy_loss(
+                logp_BT, logp_BT.detach(), batch["adv"], mask, a.eps_low, a.eps_high, a.loss_agg,
+                rollout_logp_BT=batch["rollout_logp"], tis_cap=a.tis_cap,
+            )  # fmt: skip
+            weight = mask.sum() / max(1, total_tokens)
+            (loss * weight).backward()
+            metrics = {**metrics, "actor/entropy": grpo.masked_mean(ent_BT.detach(), mask)}
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * float(weight)  # SYNC: metrics once per micro-batch
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+        if math.isfinite(float(grad_norm)):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        sums["actor/grad_norm"] = float(grad_norm)
+        sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return sums
+
+    def skip_step(self) -> None:
+        """No usable groups this step: the adapter is unchanged but the version still advances, so
+        rollout versions keep matching step numbers."""
+        self.scheduler.step()
+        self.version += 1
+
+    # checkpoint state (the adapter and optimizer: the base never changes)
+    def state_dict(self) -> dict:
+        return {
+            "adapter": {k: v.clone() for k, v in lora_state_dict(self.model).items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        load_lora_state_dict(self.model, state["adapter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+
+    def timed_train_step(self, samples: list[Sample]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.train_step(samples)
+        metrics["timing_s/update"] = time.perf_counter() - t0
+        return metrics
+
+
+def _collate(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] tensors: input = prompt + response[:-1], targets shifted by one,
+    mask = 1 on response targets; padding gets seq id -1 so attention ignores it."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    T = max(len(x) for x in seqs) - 1
+    B = len(samples)
+    input_ids = torch.zeros(B, T, dtype=torch.long)
+    targets = torch.zeros(B, T, dtype=torch.long)
+    seq_ids = torch.full((B, T), -1, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    adv = torch.zeros(B, T)
+    rollout_logp = torch.zeros(B, T)
+    for b, (s, full) in enumerate(zip(samples, seqs, strict=True)):
+        n = len(full) - 1
+        input_ids[b, :n] = torch.tensor(full[:-1])
+        targets[b, :n] = torch.tensor(full[1:])
+        seq_ids[b, :n] = 0
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        mask[b, p - 1 : p - 1 + r] = 1.0
+        adv[b, p - 1 : p - 1 + r] = s.advantage
+        rollout_logp[b, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
+    return {"input_ids": input_ids, "targets": targets, "seq_ids": seq_ids, "mask": mask, "adv": adv,
+            "rollout_logp": rollout_logp}  # fmt: skip

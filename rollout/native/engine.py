@@ -1,0 +1,307 @@
+"""The native rollout engine: continuous batching over the model's paged KV cache.
+
+What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`. Each `step()`
+asks the scheduler (rollout/native/scheduler.py) for this step's chunks, flattens them into one
+`forward_cached` call (prefill chunks of new or preempted sequences and one token per decoding
+sequence, under `max_batch_tokens`), samples one token for every sequence whose chunk reached
+its end (rollout/native/sampler.py) and retires finished sequences. `generate` = add requests,
+step until done.
+
+Numerics: the engine adds nothing to the model's numbers: with an fp32 model and an fp32 cache
+its log-probs equal `model.token_logprobs` of the same tokens, with an NVFP4 cache they equal
+`token_logprobs(..., kv_sim=True)` (both tested), whatever the batch composition.
+
+Adapters: `set_adapter(tensors, version)` copies LoRA tensors into the model in place between
+steps: through model.layers.lora.load_lora_state_dict when the model carries LoRA adapters
+(apply_lora), else by exact base-parameter name (strict, for adapter-free models and tests).
+Sequences in flight keep the KV they computed under the old version and continue under the new
+one; every sampled token records the version it was sampled under.
+Prefix pages are keyed by adapter version: siblings share a leader's prompt pages only if the
+adapter did not change since the leader's prefill began; otherwise they prefill afresh.
+
+Host syncs: one per step (`# SYNC` below), to hand sampled ids to the scheduler.
+
+Legend: T flattened tokens of the step, B sequences in the step (after the forward: rows being
+sampled), P block-table width, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from model.modeling import MiniMaxM3ForCausalLM
+from rollout.engine import Completion, EngineStats, Request
+from rollout.native import sampler
+from rollout.native.scheduler import Group, Scheduler, Sequence, TokenCallback
+
+
+class NativeEngine:
+    """Continuous-batching engine over `model` with a paged cache of `max_pages` pages.
+
+    kv_dtype / index_dtype override the config's cache dtypes ("fp32", "bf16", "fp8", "nvfp4");
+    `detokenize(token_ids) -> str` is needed only for stop strings; `seed` seeds the generator
+    that draws seeds for requests that bring none.
+    """
+
+    def __init__(
+        self,
+        model: MiniMaxM3ForCausalLM,
+        max_pages: int,
+        max_batch_tokens: int = 512,
+        max_num_seqs: int = 64,
+        kv_dtype: str | None = None,
+        index_dtype: str | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        seed: int = 0,
+    ):
+        self.model = model
+        self.config = model.config
+        self.device = model.lm_head.weight.device
+        self.cache = model.new_kv_cache(max_pages, dtype=kv_dtype, index_dtype=index_dtype)
+        self.scheduler = Scheduler(max_pages, self.cache.page_size, max_batch_tokens, max_num_seqs)
+        self.detokenize = detokenize
+        self.adapter_version = 0
+        self._seed_gen = torch.Generator().manual_seed(seed)
+        self._next_seq_id = 0
+        self._next_request = 0
+        self._active: dict[str, int] = {}  # request id -> samples not finished yet
+        self._stats = EngineStats(pages_total=max_pages)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request, on_token: TokenCallback | None = None) -> str:
+        """Validate and queue one request (n sequences); returns its request id. `on_token(
+        sample_index, token_id, logprob)` is called after every token sampled for it (streaming)."""
+        self.validate(request)
+        cfg, p = self.config, request.params
+        request_id = request.request_id or f"req-{self._next_request}"
+        if request_id in self._active:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        self._next_request += 1
+        self._active[request_id] = request.n
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos and cfg.eos_token_id is not None:
+            stop_ids.add(cfg.eos_token_id)
+        group = Group(request, request_id, time.perf_counter(), frozenset(stop_ids), on_token)
+        base_seed = request.seed
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**62, (), generator=self._seed_gen))
+        for i in range(request.n):
+            gen = None
+            if not p.is_greedy:
+                gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
+            seq = Sequence(self._next_seq_id, group, i, base_seed + i, gen)
+            self._next_seq_id += 1
+            group.sequences.append(seq)
+        leader, *siblings = group.sequences
+        leader.pending_forks = siblings
+        self.scheduler.add(leader)
+        return request_id
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError if this engine cannot serve `request` (vocabulary, positions, cache)."""
+        cfg, p = self.config, request.params
+        ids = request.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}), got min {min(ids)} "
+                             f"max {max(ids)}")  # fmt: skip
+        if len(ids) >= cfg.max_position_embeddings:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: the model has "
+                             f"{cfg.max_position_embeddings} positions")  # fmt: skip
+        if any(t >= cfg.vocab_size for t in p.stop_token_ids):
+            raise ValueError(f"stop_token_ids {p.stop_token_ids} outside the vocabulary ({cfg.vocab_size})")
+        if p.stop and self.detokenize is None:
+            raise ValueError("stop strings need the engine to be built with a detokenize callable")
+        # The last sampled token is never run through the model, hence the - 1.
+        longest = min(len(ids) + p.max_tokens, cfg.max_position_embeddings) - 1
+        need = -(-longest // self.cache.page_size)
+        if need > self.scheduler.allocator.num_pages:
+            raise ValueError(f"a sequence of up to {longest} cached tokens needs {need} pages but the cache "
+                             f"has {self.scheduler.allocator.num_pages}")  # fmt: skip
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Every sample of every request, ordered by request then sample index."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; finish the step() loop first")
+        for r in requests:  # all or nothing: a bad request queues none
+            self.validate(r)
+        ids = [r.request_id for r in requests if r.request_id is not None]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique within one generate() call")
+        order = {self.add_request(r): k for k, r in enumerate(requests)}
+        done: list[Completion] = []
+        while self.has_unfinished():
+            done += self.step()
+        return sorted(done, key=lambda c: (order[c.request_id], c.sample_index))
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """Run one batch; returns the completions that finished in it."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            raise RuntimeError("no sequence could be scheduled: the cache is too small for any of them")
+        ids, pos, seq_idx, tables, lens, sample_rows = [], [], [], [], [], []
+        for b, ch in enumerate(chunks):
+            s = ch.seq
+            start, stop = s.num_computed, s.num_computed + ch.num_new
+            ids += s.token_slice(start, stop)
+            pos += range(start, stop)
+            seq_idx += [b] * ch.num_new
+            tables.append(s.block_table)
+            lens.append(stop)
+            if ch.samples:
+                sample_rows.append(len(ids) - 1)
+            if start == 0:
+                s.kv_version = self.adapter_version
+            is_decode = ch.num_new == 1 and bool(s.output)
+            self._stats.prefill_tokens += 0 if is_decode else ch.num_new
+        width = max(len(t) for t in tables)
+        dev = self.device
+        table_BP = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        logits_BV = self.model.forward_cached(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(seq_idx, dtype=torch.long, device=dev),
+            self.cache,
+            table_BP,
+            torch.tensor(lens, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+        sampling = [ch.seq for ch in chunks if ch.samples]
+        for ch in chunks:
+            ch.seq.num_computed += ch.num_new
+
+        # Rows to sample: each finishing chunk, plus the siblings forking off a leader's prompt,
+        # which sample their first token from the leader's logits row.
+        rows, seqs = [], []
+        for j, seq in enumerate(sampling):
+            rows.append(j)
+            seqs.append(seq)
+            if seq.pending_forks:
+                fresh = seq.kv_version == self.adapter_version
+                forked, src, dst = self.scheduler.fork(seq, share=fresh)
+                if src:
+                    self.cache.copy_pages(src, dst)
+                rows += [j] * len(forked)
+                seqs += forked
+        finished = []
+        if rows:
+            finished = self._sample_and_update(
+                logits_BV[torch.tensor(rows, dtype=torch.long, device=dev)], seqs
+            )
+        self._stats.steps += 1
+        self._stats.step_time_s += time.perf_counter() - t0
+        return finished
+
+    def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> list[Completion]:
+        params = [s.group.request.params for s in seqs]
+        dev = self.device
+
+        def per_row(values, off_value, dtype):
+            if all(v == off_value for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        tokens_B, logprobs_B = sampler.sample(
+            logits_BV,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            [s.generator for s in seqs],
+            top_k_B=per_row([p.top_k for p in params], 0, torch.long),
+            top_p_B=per_row([p.top_p for p in params], 1.0, torch.float32),
+            min_p_B=per_row([p.min_p for p in params], 0.0, torch.float32),
+        )
+        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # SYNC: the scheduler needs the ids
+        now = time.perf_counter()
+        finished = []
+        for s, tok, lp in zip(seqs, tokens, logprobs):
+            s.output.append(tok)
+            s.logprobs.append(lp)
+            s.adapter_versions.append(self.adapter_version)
+            if s.first_token_t is None:
+                s.first_token_t = now
+            self._stats.tokens_generated += 1
+            if s.group.on_token is not None:
+                s.group.on_token(s.sample_index, tok, lp)
+            if self._check_finished(s, tok):
+                self.scheduler.free(s)
+                self._active[s.group.request_id] -= 1
+                if not self._active[s.group.request_id]:
+                    del self._active[s.group.request_id]
+                finished.append(self._completion(s, now))
+        self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
+        return finished
+
+    def _check_finished(self, s: Sequence, token: int) -> bool:
+        p = s.group.request.params
+        if token in s.group.stop_token_ids:
+            s.finish_reason, s.stop_reason = "stop", token
+        elif p.stop and any(st in (text := self.detokenize(s.output)) for st in p.stop):
+            s.finish_reason, s.stop_reason = "stop", next(st for st in p.stop if st in text)
+        elif len(s.output) >= p.max_tokens or s.num_tokens >= self.config.max_position_embeddings:
+            s.finish_reason = "length"
+        return s.finish_reason is not None
+
+    def _completion(self, s: Sequence, now: float) -> Completion:
+        g = s.group
+        return Completion(
+            request_id=g.request_id,
+            sample_index=s.sample_index,
+            prompt_token_ids=g.request.prompt_token_ids,
+            token_ids=list(s.output),
+            logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            adapter_versions=list(s.adapter_versions),
+            seed=s.seed,
+            num_preemptions=s.num_preemptions,
+            queue_s=(s.first_scheduled_t or now) - g.added_t,
+            ttft_s=(s.first_token_t or now) - g.added_t,
+            e2e_s=now - g.added_t,
+        )
+
+    # ------------------------------------------------------------------ adapters, stats
+    @torch.no_grad()
+    def set_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy adapter tensors into the model in place (no re-allocation); later tokens record
+        `version`. Call between steps."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"adapter version must be an int, got {version!r}")
+        if any("lora_" in name for name, _ in self.model.named_parameters()):
+            # Adapters injected by model.layers.lora.apply_lora: its strict loader (every adapter
+            # tensor, exact names and shapes) copies into them in place.
+            from model.layers.lora import load_lora_state_dict
+
+            load_lora_state_dict(self.model, tensors)
+        else:
+            _copy_named_parameters(self.model, tensors)
+        self.adapter_version = version
+        self._stats.adapter_version = version
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.pages_in_use = self.scheduler.allocator.num_in_use
+        return EngineStats(**vars(s))
+
+
+def _copy_named_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Strict in-place copy by parameter name: every name must exist with the same shape (all
+    checked before anything is written, so a bad adapter leaves the model untouched)."""
+    params = dict(model.named_parameters())
+    unknown = sorted(k for k in tensors if k not in params)
+    if unknown:
+        raise ValueError(f"adapter tensors with no matching model parameter: {unknown[:5]}")
+    bad = [
+        (k, tuple(v.shape), tuple(params[k].shape)) for k, v in tensors.items() if v.shape != params[k].shape
+    ]
+    if bad:
+        raise ValueError(f"adapter tensor shapes differ from the model's (name, got, expected): {bad[:5]}")
+    for k, v in tensors.items():
+        params[k].copy_(v)

@@ -1,0 +1,138 @@
+"""Sampler: truncation against an explicit per-row reference, the log-prob convention, seeded
+reproducibility independent of the batch, and sampled frequencies against the target law."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout.engine import Request, SamplingParams
+from rollout.native import sampler
+
+
+def kept_ref(logits_V: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The documented rule, one row, in float64 with Python loops."""
+    probs = torch.softmax(logits_V.double(), -1).tolist()
+    order = sorted(range(len(probs)), key=lambda v: (-probs[v], v))
+    k = top_k if top_k > 0 else len(order)
+    head = order[:k]
+    z = sum(probs[v] for v in head)
+    kept, mass = [], 0.0
+    for v in head:
+        if top_p < 1 and mass >= top_p:
+            break
+        kept.append(v)
+        mass += probs[v] / z
+    pmax = probs[order[0]]
+    return {v for v in kept if probs[v] >= min_p * pmax} | {order[0]}
+
+
+def gens(seeds):
+    return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_truncation_mask_matches_per_row_reference():
+    g = torch.Generator().manual_seed(0)
+    B, V = 24, 50
+    logits = torch.randn(B, V, generator=g) * 3
+    top_k = torch.randint(0, 12, (B,), generator=g)
+    top_p = torch.rand(B, generator=g) * 0.9 + 0.1
+    top_p[::5] = 1.0
+    min_p = torch.rand(B, generator=g) * 0.2
+    min_p[::3] = 0.0
+    keep = sampler.truncation_mask(logits, top_k, top_p, min_p)
+    for b in range(B):
+        ref = kept_ref(logits[b], int(top_k[b]), float(top_p[b]), float(min_p[b]))
+        assert set(keep[b].nonzero()[:, 0].tolist()) == ref, b
+
+
+def test_truncation_off_keeps_every_token_even_when_cumsum_rounds_to_one():
+    logits = torch.tensor([[30.0] + [-30.0] * 99])  # tail mass underflows the fp32 cumsum
+    keep = sampler.truncation_mask(logits, torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert keep.all()
+    assert sampler.truncation_mask(logits).all()
+
+
+def test_greedy_rows_take_argmax_and_report_unscaled_logprob():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    tok, lp = sampler.sample(logits, torch.zeros(3), [None] * 3)
+    assert tok.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+    assert lp.dtype == torch.float32
+
+
+def test_logprob_is_temperature_scaled_and_before_truncation():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(2)) * 2
+    temp = torch.tensor([0.5, 0.7, 1.0, 1.3])
+    tok, lp = sampler.sample(logits, temp, gens([1, 2, 3, 4]), top_k_B=torch.tensor([3, 5, 2, 4]))
+    ref = torch.log_softmax(logits / temp[:, None], -1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, atol=1e-6, rtol=0)
+    # The sampled token lies in its row's top-k.
+    for b, k in enumerate([3, 5, 2, 4]):
+        assert tok[b] in logits[b].topk(k).indices
+
+
+def test_same_seed_same_draws_whatever_the_other_rows():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(3))
+    temp = torch.ones(5)
+    alone = [sampler.sample(logits[b : b + 1], temp[:1], gens([7]))[0].item() for b in range(5)]
+    batched, _ = sampler.sample(logits, temp, gens([7, 7, 7, 7, 7]))
+    assert batched.tolist() == alone
+    # Greedy neighbours consume no randomness and do not shift a sampled row's draws.
+    mixed, _ = sampler.sample(logits[:3], torch.tensor([0.0, 1.0, 0.0]), gens([None, 7, None]))
+    assert mixed[1].item() == alone[1]
+    other, _ = sampler.sample(logits, temp, gens([8, 8, 8, 8, 8]))
+    assert other.tolist() != alone
+
+
+def test_sampled_frequencies_follow_truncated_distribution():
+    V, N = 6, 6000
+    logits_V = torch.tensor([1.0, 0.5, 0.2, -0.3, -1.0, -2.0])
+    temp = 0.8
+    top_p = 0.8
+    scaled = logits_V / temp
+    keep = kept_ref(scaled, 0, top_p, 0.0)
+    target = torch.zeros(V)
+    target[list(keep)] = torch.softmax(scaled, -1)[list(keep)]
+    target /= target.sum()
+    gen = torch.Generator().manual_seed(11)
+    logits = logits_V.expand(N, V).contiguous()
+    tok, _ = sampler.sample(logits, torch.full((N,), temp), [gen] * N, top_p_B=torch.full((N,), top_p))
+    freq = torch.bincount(tok, minlength=V).double() / N
+    for v in range(V):
+        if v not in keep:
+            assert freq[v] == 0
+        else:
+            sigma = math.sqrt(target[v] * (1 - target[v]) / N)
+            assert abs(freq[v] - target[v]) < 5 * sigma, (v, freq[v], target[v])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-3,)}, "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_params_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_requests_raise_clear_errors():
+    with pytest.raises(ValueError, match="empty"):
+        Request(())
+    with pytest.raises(ValueError, match="n must"):
+        Request((1, 2), n=0)
+    with pytest.raises(ValueError, match="seed"):
+        Request((1, 2), seed=-1)
+    with pytest.raises(ValueError, match="ints"):
+        Request((1.5, 2))

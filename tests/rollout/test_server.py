@@ -1,0 +1,140 @@
+"""OpenAI-compatible server: the `openai` client against a live server over the tiny model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from model.config import ModelConfig
+from model.modeling import MiniMaxM3ForCausalLM
+from rollout.engine import Request, SamplingParams
+from rollout.native import NativeEngine
+from rollout.server import ByteTokenizer, build_app
+
+
+@pytest.fixture(scope="module")
+def served():
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops; threads only contend on a shared CPU
+    model = MiniMaxM3ForCausalLM(ModelConfig.preset("tiny")).init_weights(std=0.05, seed=0).eval()
+    tok = ByteTokenizer()
+    engine = NativeEngine(model, max_pages=64, max_batch_tokens=128, kv_dtype="fp32", index_dtype="fp32",
+                          detokenize=tok.decode)  # fmt: skip
+    app = build_app(engine, tok, model_name="tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    yield client, model, tok
+    server.should_exit = True
+    thread.join(timeout=10)
+    app.state.worker.close()
+    torch.set_num_threads(n_threads)
+
+
+def test_models_lists_the_served_model(served):
+    client, _, _ = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_matches_engine_and_streaming_matches_non_streaming(served):
+    client, model, tok = served
+    kw = dict(
+        model="tiny", prompt="Hello there", max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    full = client.completions.create(**kw, logprobs=1)
+    ref = NativeEngine(model, max_pages=16, kv_dtype="fp32", index_dtype="fp32").generate(
+        [
+            Request(
+                tuple(tok.encode("Hello there")),
+                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            )
+        ]
+    )[0]
+    choice = full.choices[0]
+    assert choice.model_extra["token_ids"] == ref.token_ids
+    assert choice.text == tok.decode(ref.token_ids) and choice.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(choice.logprobs.token_logprobs), ref.logprobs, atol=1e-5, rtol=0)
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completion_with_n_samples_and_streaming(served):
+    client, _, _ = served
+    msgs = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, n=3, seed=4,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" for c in out.choices)
+    again = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, n=3, seed=4,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=4, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == out.choices[0].message.content
+
+
+def test_malformed_and_unknown_model_requests_get_4xx_json_errors(served):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", temperature=-1.0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=[5, 9999])  # token outside the vocabulary
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user"}])
+    with pytest.raises(openai.BadRequestError, match="malformed"):
+        client.completions.create(model="tiny", prompt="x", extra_body={"n": "many"})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    # The server still answers after errors.
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].finish_reason
+
+
+def test_stop_string_truncates_text_in_both_modes(served):
+    client, _, _ = served
+    kw = dict(model="tiny", prompt="abc", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    assert len(text) >= 4, text
+    stop = text[2:4]
+    cut = text[: text.find(stop)]
+    out = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert out.text == cut and out.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[stop], stream=True))
+    assert streamed == cut
+
+
+def test_loaded_adapter_is_listed_with_its_base_and_is_the_only_model_answering(served):
+    from fastapi.testclient import TestClient
+
+    from model.layers.lora import LoRAConfig, apply_lora
+
+    _, _, tok = served
+    model = apply_lora(
+        MiniMaxM3ForCausalLM(ModelConfig.preset("tiny")).init_weights(seed=1).eval(), LoRAConfig(r=2)
+    )
+    app = build_app(NativeEngine(model, max_pages=16), tok, model_name="tiny", adapter_name="math-v1")
+    try:
+        with TestClient(app) as http:
+            data = http.get("/v1/models").json()["data"]
+            assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("math-v1", "tiny")]
+            ok = http.post("/v1/completions", json={"model": "math-v1", "prompt": "a", "max_tokens": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) <= 2
+            base = http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2})
+            assert base.status_code == 400 and "math-v1" in base.json()["error"]["message"]
+    finally:
+        app.state.worker.close()
