@@ -193,39 +193,59 @@ class Learner:
     def adapter_update(self) -> AdapterUpdate:
         return make_update(lora_state_dict(self.model), self.version)
 
+    def _logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool):
+        c = self.cfg
+        return self.model.token_logprobs(
+            batch["input_ids"], batch["targets"], seq_ids_BS=batch["seq_ids"], kv_sim=c.trainer.kv_sim,
+            with_entropy=with_entropy, temperature=c.rollout.temperature,
+        )  # fmt: skip
+
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step of the clipped policy loss over `samples` (advantages already set).
-        Token-mean aggregation is over all response tokens of the step, across micro-batches."""
+        """The policy update of one GRPO step (advantages already set): `algo.ppo_epochs` passes
+        over `samples`, each split into mini-batches of `algo.mini_batch_prompts` groups (one
+        optimizer step each; None = the whole batch). The "old" policy is the adapter the samples
+        were generated with; with one epoch and one mini-batch it is the current one and the extra
+        no-grad pass is skipped. Token-mean aggregation is over a mini-batch's response tokens,
+        across its micro-batches. The adapter version advances once per call."""
         cfg, a = self.cfg, self.cfg.algo
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(len(s.response_ids) for s in samples)
+        uids = list(dict.fromkeys(s.uid for s in samples))
+        per_mini = a.mini_batch_prompts or len(uids)
+        mini_of = {u: i // per_mini for i, u in enumerate(uids)}
+        minis = [[s for s in samples if mini_of[s.uid] == m] for m in range(-(-len(uids) // per_mini))]
         mb = max(1, cfg.trainer.micro_batch_size)
+        batches = [[_collate(m[j : j + mb]) for j in range(0, len(m), mb)] for m in minis]
+        on_policy = a.ppo_epochs == 1 and len(minis) == 1
+        if not on_policy:
+            with torch.no_grad():
+                for mini in batches:
+                    for batch in mini:
+                        batch["old_logp"] = self._logprobs(batch, with_entropy=False)[0]
         sums: dict[str, float] = {}
-        for start in range(0, len(samples), mb):
-            chunk = samples[start : start + mb]
-            batch = _collate(chunk)
-            logp_BT, ent_BT = self.model.token_logprobs(
-                batch["input_ids"], batch["targets"], seq_ids_BS=batch["seq_ids"], kv_sim=cfg.trainer.kv_sim,
-                with_entropy=True, temperature=cfg.rollout.temperature,
-            )  # fmt: skip
-            mask = batch["mask"]
-            # ppo_epochs = 1 and one mini-batch per step: the "old" policy is the current one.
-            loss, metrics = grpo.policy_loss(
-                logp_BT, logp_BT.detach(), batch["adv"], mask, a.eps_low, a.eps_high, a.loss_agg,
-                rollout_logp_BT=batch["rollout_logp"], tis_cap=a.tis_cap,
-            )  # fmt: skip
-            weight = mask.sum() / max(1, total_tokens)
-            (loss * weight).backward()
-            metrics = {**metrics, "actor/entropy": grpo.masked_mean(ent_BT.detach(), mask)}
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * float(weight)  # SYNC: metrics once per micro-batch
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
-        if math.isfinite(float(grad_norm)):
-            self.optimizer.step()
+        n_updates = a.ppo_epochs * len(batches)
+        for _ in range(a.ppo_epochs):
+            for mini in batches:
+                self.optimizer.zero_grad(set_to_none=True)
+                total_tokens = sum(float(b["mask"].sum()) for b in mini)
+                for batch in mini:
+                    logp_BT, ent_BT = self._logprobs(batch, with_entropy=True)
+                    mask = batch["mask"]
+                    old_BT = logp_BT.detach() if on_policy else batch["old_logp"]
+                    loss, metrics = grpo.policy_loss(
+                        logp_BT, old_BT, batch["adv"], mask, a.eps_low, a.eps_high, a.loss_agg,
+                        rollout_logp_BT=batch["rollout_logp"], tis_cap=a.tis_cap,
+                    )  # fmt: skip
+                    weight = float(mask.sum()) / max(1.0, total_tokens)
+                    (loss * weight).backward()
+                    metrics = {**metrics, "actor/entropy": grpo.masked_mean(ent_BT.detach(), mask)}
+                    for k, v in metrics.items():  # SYNC: metrics once per micro-batch
+                        sums[k] = sums.get(k, 0.0) + float(v) * weight / n_updates
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+                if math.isfinite(float(grad_norm)):
+                    self.optimizer.step()
+                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / n_updates
         self.scheduler.step()
         self.version += 1
-        sums["actor/grad_norm"] = float(grad_norm)
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
         return sums
 
