@@ -315,34 +315,58 @@ def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Ten
                 yield f"{bank_name}.{e}.{k}", v.detach().contiguous()
 
 
-def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
-    """Write config + shards + index. Shards are written to temp names and renamed, index last."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state_for_save(model):
+class ShardWriter:
+    """Streams tensors into `model-NNNNN.safetensors` shards of about `max_shard_bytes`, each written
+    to a temp name and renamed; `close()` writes `model.safetensors.index.json` last, so a reader
+    never sees an index that points at a missing or partial shard."""
+
+    def __init__(self, path: Path, max_shard_bytes: int = 2 << 30):
+        self.path, self.max_shard_bytes = path, max_shard_bytes
+        path.mkdir(parents=True, exist_ok=True)
+        self._shard: dict[str, torch.Tensor] = {}
+        self._size = self._count = self._total = 0
+        self._weight_map: dict[str, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.cpu()
-        size += nbytes
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tmp = path / f".{fname}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / fname)
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    tmp = path / f".{INDEX_FILE}.tmp"
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, path / INDEX_FILE)
+        if self._shard and self._size + nbytes > self.max_shard_bytes:
+            self._flush()
+        # 0-d tensors may share storage (w1/w3's common scale_2): safetensors wants their own.
+        self._shard[name] = t.detach().cpu().clone() if t.dim() == 0 else t.detach().cpu().contiguous()
+        self._size += nbytes
+
+    def _flush(self) -> None:
+        if not self._shard:
+            return
+        self._count += 1
+        fname = f"model-{self._count:05d}.safetensors"
+        tmp = self.path / f".{fname}.tmp"
+        save_file(self._shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.path / fname)
+        for name in self._shard:
+            self._weight_map[name] = fname
+        self._total += self._size
+        self._shard, self._size = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        index = {
+            "metadata": {"total_size": self._total},
+            "weight_map": dict(sorted(self._weight_map.items())),
+        }
+        tmp = self.path / f".{INDEX_FILE}.tmp"
+        tmp.write_text(json.dumps(index, indent=2))
+        os.replace(tmp, self.path / INDEX_FILE)
+
+
+def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
+    """Write config + shards + index, one tensor resident at a time beyond the current shard."""
+    path = Path(path)
+    writer = ShardWriter(path, max_shard_bytes)
+    model.config.save_pretrained(path)
+    for name, t in state_for_save(model):
+        writer.add(name, t)
+    writer.close()
 
 
 # ---------------------------------------------------------------------------- identity

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from model import nvfp4
-from model.checkpoint import _EXPERT_RE, INDEX_FILE, CheckpointError, iter_tensors
+from model.checkpoint import _EXPERT_RE, CheckpointError, ShardWriter, iter_tensors
 from model.config import ModelConfig
 from model.layers.moe import quantize_expert_nvfp4
 
@@ -39,25 +37,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, routed_experts: str 
     new_cfg = dataclasses.replace(
         cfg, quantization=quant, kv_cache_dtype=kv_cache_dtype or cfg.kv_cache_dtype
     )
-    dst.mkdir(parents=True, exist_ok=True)
 
-    shard: dict[str, torch.Tensor] = {}
-    size, n_shards, weight_map, total = 0, 0, {}, 0
-
-    def flush() -> None:
-        nonlocal shard, size, n_shards, total
-        if not shard:
-            return
-        n_shards += 1
-        fname = f"model-{n_shards:05d}.safetensors"
-        tmp = dst / f".{fname}.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, dst / fname)
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
-        shard, size = {}, 0
-
+    writer = ShardWriter(dst, max_shard_bytes)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # expert prefix -> {w1, w2, w3} float weights
     for name, t in iter_tensors(src):
         m = _EXPERT_RE.match(name)
@@ -74,20 +55,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, routed_experts: str 
         else:
             out = {name: t}
         for k, v in out.items():
-            shard[k] = v.clone() if v.dim() == 0 else v.contiguous()  # shared scale_2: own storage
-            size += v.numel() * v.element_size()
-        if size >= max_shard_bytes:
-            flush()
-    flush()
+            writer.add(k, v)
     if pending:
         raise CheckpointError(
             f"{src}: experts missing some of w1/w2/w3: {sorted(pending)[:5]}; the checkpoint is partial"
         )
     new_cfg.save_pretrained(dst)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    tmp = dst / f".{INDEX_FILE}.tmp"
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, dst / INDEX_FILE)
+    writer.close()
     return new_cfg
 
 
