@@ -147,7 +147,8 @@ def checkpoint_bytes(cfg: ModelConfig, include_mtp: bool = False) -> int:
 
 def cache_bytes_per_head(dtype: str, C: int) -> float:
     """Bytes one token occupies for one head of width C (one side)."""
-    return {"bf16": 2 * C, "fp8": C, "nvfp4": C / 2 + C / 16, "none": 0}[dtype]
+    nvfp4 = C / 2 + C / 16  # 4over6 changes how block scales are chosen, not the layout
+    return {"bf16": 2 * C, "fp8": C, "nvfp4": nvfp4, "nvfp4_4over6": nvfp4, "none": 0}[dtype]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_heads: int | None = None) -> int:

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 WeightDtype = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
-CacheDtype = Literal["bf16", "fp8", "nvfp4"]
+# "nvfp4_4over6": NVFP4 pages whose block scales the writer picks by the 4-over-6 rule (same bytes
+# per token, same dequantization as "nvfp4"; see model/kv_cache.py).
+CacheDtype = Literal["bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 LayerType = Literal["full_attention", "minimax_m3_sparse"]
 MlpLayerType = Literal["dense", "sparse"]
 
@@ -242,9 +244,10 @@ class ModelConfig:
                     f"kv_cache_dtype_overrides key {layer!r} must be an int layer id in [0, {L - 1}]"
                 )
             _check_literal(f"kv_cache_dtype_overrides[{layer}]", dt, CacheDtype)
-        if "nvfp4" in [self.kv_cache_dtype, *self.kv_cache_dtype_overrides.values()] and self.head_dim % 16:
+        kv_dtypes = [self.kv_cache_dtype, *self.kv_cache_dtype_overrides.values()]
+        if any(d.startswith("nvfp4") for d in kv_dtypes) and self.head_dim % 16:
             raise ValueError(f"an nvfp4 KV cache needs head_dim % 16 == 0, got head_dim={self.head_dim}")
-        if self.index_cache_dtype == "nvfp4" and self.index_head_dim % 16:
+        if self.index_cache_dtype.startswith("nvfp4") and self.index_head_dim % 16:
             raise ValueError(
                 f"an nvfp4 index cache needs index_head_dim % 16 == 0, got {self.index_head_dim}"
             )

@@ -1,5 +1,5 @@
 """Paged KV storage for one model: main K/V pages per attention layer, index-key pages per
-sparse layer, in fp32 / bf16 / fp8 (e4m3) / NVFP4.
+sparse layer, in fp32 / bf16 / fp8 (e4m3) / NVFP4 / NVFP4 with 4-over-6 block scales.
 
 Why paged: the engine shares and rolls back sequences at page granularity (vLLM style). A
 sequence owns a block table (page ids); token position p lives in page block_table[p // page]
@@ -10,6 +10,10 @@ Layouts (P pages, N kv heads, C head dim, Ci index head dim, page = page_size):
 - main K/V, every dtype: [P, 2N, page, X], slot 2*head + side (side 0 = K, 1 = V); X = C for
   fp32/bf16/fp8 (fp8 stored as raw e4m3 bytes in uint8) and C/2 + C/16 for NVFP4 (C/2 packed
   E2M1 bytes, then C/16 e4m3 block scales: 72 B for C = 128, vLLM's MiniMax-M3 layout).
+  "nvfp4_4over6" is the same layout and the same dequantization; only the writer differs: each
+  16-value block keeps whichever of the max/6 or max/4 block scale reconstructs it with the
+  smaller squared error (`nvfp4.kv_quantize(..., four_over_six=True)`), so any NVFP4 reader
+  (vLLM included) serves its pages unchanged.
 - index keys (sparse layers only): [P, page, Xi], one shared head, same per-dtype rule.
 
 Scales: one fp32 dequant-side scale per layer per side (k, v, index). fp8 stores
@@ -36,11 +40,18 @@ import torch
 from model import nvfp4
 from model.config import ModelConfig
 
-KVDtype = Literal["fp32", "bf16", "fp8", "nvfp4"]
+KVDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
+NVFP4_DTYPES = ("nvfp4", "nvfp4_4over6")  # one storage layout, one dequantization
 DEFAULT_KV_SCALE = 1.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-_TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8, "nvfp4": torch.uint8}
+_TORCH_STORAGE = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8": torch.uint8,
+    "nvfp4": torch.uint8,
+    "nvfp4_4over6": torch.uint8,
+}
 
 
 def check_kv_dtype(name: str, dtype: str) -> None:
@@ -50,7 +61,7 @@ def check_kv_dtype(name: str, dtype: str) -> None:
 
 def stored_width(dtype: KVDtype, head_dim: int) -> int:
     """Length of the last (per-head, per-token) dim of a stored row."""
-    if dtype == "nvfp4":
+    if dtype in NVFP4_DTYPES:
         if head_dim % 16:
             raise ValueError(f"an nvfp4 cache needs head_dim % 16 == 0, got {head_dim}")
         return head_dim // 2 + head_dim // 16
@@ -68,7 +79,9 @@ def quantize_kv(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> torch.T
         return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     lead = x.shape[:-2]
     # check_finite=False: the NaN check is a host sync, and append is on the decode hot path.
-    packed = nvfp4.kv_quantize(x.reshape(-1, *x.shape[-2:]).float(), scale, check_finite=False)
+    is_4over6 = dtype == "nvfp4_4over6"
+    x_RNC = x.reshape(-1, *x.shape[-2:]).float()
+    packed = nvfp4.kv_quantize(x_RNC, scale, four_over_six=is_4over6, check_finite=False)
     return packed.reshape(*lead, *packed.shape[-2:])
 
 
@@ -88,11 +101,11 @@ def dequantize_kv(
 def kv_quant_dequant(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> torch.Tensor:
     """What the cache gives back for `x` [..., N, C], in x's dtype (training-side simulation).
 
-    NVFP4 goes through `model.nvfp4.kv_quant_dequant` (equal to its quantize -> dequantize round
-    trip bit for bit, without packing). Use it on detached values: `model.layers.attention` wraps
-    it in a straight-through estimator."""
-    if dtype == "nvfp4":
-        return nvfp4.kv_quant_dequant(x, scale, check_finite=False)
+    NVFP4 (either writer) goes through `model.nvfp4.kv_quant_dequant` (equal to its quantize ->
+    dequantize round trip bit for bit, without packing). Use it on detached values:
+    `model.layers.attention` wraps it in a straight-through estimator."""
+    if dtype in NVFP4_DTYPES:
+        return nvfp4.kv_quant_dequant(x, scale, four_over_six=dtype == "nvfp4_4over6", check_finite=False)
     return dequantize_kv(quantize_kv(x, dtype, scale), dtype, scale, x.shape[-1], out_dtype=x.dtype)
 
 

@@ -124,7 +124,9 @@ def test_wrong_type_error_names_key_and_expected_type():
     with pytest.raises(ValueError, match=r"'trainer.total_steps': expected int"):
         load_config("quickstart", ["trainer.total_steps=abc"])
     with pytest.raises(
-        ValueError, match=r"'rollout.kv_cache_dtype': expected one of 'fp32', 'bf16', 'fp8', 'nvfp4' or null"
+        ValueError,
+        match=r"'rollout.kv_cache_dtype': expected one of 'fp32', 'bf16', 'fp8', 'nvfp4', "
+        r"'nvfp4_4over6' or null",
     ):
         load_config("quickstart", ["rollout.kv_cache_dtype=fp4"])
     with pytest.raises(ValueError, match=r"'trainer.kv_sim': expected bool"):
