@@ -144,7 +144,7 @@ def test_invalid_values_fail_validation_with_the_field_name():
         ValueError, match=r"reward.overlong_buffer \(12\) must be < rollout.max_tokens \(12\)"
     ):
         load_config("quickstart", ["reward.overlong_buffer=12"])
-    with pytest.raises(ValueError, match=r"algo.mini_batch_prompts must divide algo.batch_prompts=16"):
+    with pytest.raises(ValueError, match=r"algo.mini_batch_prompts must divide algo.batch_prompts=32, got 5"):
         load_config("quickstart", ["algo.mini_batch_prompts=5"])
     with pytest.raises(ValueError, match=r"model.preset: unknown preset 'huge'"):
         load_config("quickstart", ["model.preset=huge"])
