@@ -47,7 +47,8 @@ from rl.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / "runs" / "_cache" / "kv-accuracy-lm"
-DEFAULT_DATA = Path("/work/shared/data/dapo_math_17k.parquet")
+# The workspace layout puts shared/ beside the repository (../shared/data from the repo root).
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "dapo_math_17k.parquet"
 INFO_FILE = "kv_accuracy_lm.json"
 NUM_HELD_OUT = 64  # last problems of the file: prompts come from here, training never sees them
 # Position buckets [lo, hi) of the predicting token; training windows are TRAIN_SEQ_LEN long.
