@@ -150,6 +150,23 @@ def gather_pages(pages: torch.Tensor, block_table_P: torch.Tensor, length: int) 
     return rows.reshape(n_pages * page_size, *pages.shape[2:])[:length]
 
 
+# Bytes of gathered keys per token chunk in the ops' batched torch paths (bounds their peak memory).
+GATHER_CHUNK_BYTES = 64 << 20
+
+
+def gather_sequences(
+    pages: torch.Tensor, block_tables_BP: torch.Tensor, seq_lens_B: torch.Tensor, S: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored rows of every sequence, padded to S: pages [P, page, ...] -> ([B, S, ...], valid [B, S]).
+    Slots past a sequence's length (stale or never written) are flagged invalid for the caller to zero."""
+    B, page = block_tables_BP.shape[0], pages.shape[1]
+    n_pages = -(-S // page)
+    table = block_tables_BP[:, :n_pages].long().clamp(min=0)  # unused slots may hold -1
+    rows = pages[table].reshape(B, n_pages * page, *pages.shape[2:])[:, :S]
+    valid_BS = torch.arange(S, device=pages.device) < seq_lens_B[:, None]
+    return rows, valid_BS
+
+
 class KVCache:
     """Paged K/V (+ index key) storage for every attention layer of one model.
 

@@ -305,6 +305,13 @@ class TrainerSection:
         _at_least(self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads")
         _at_least(self, "trainer", 0, "eval_every", "save_every", "eval_temperature", "num_gpus")
         _require(0 < self.eval_top_p <= 1, f"trainer.eval_top_p must be in (0, 1], got {self.eval_top_p}")
+        # One learner actor for now (it may hold several GPUs); data-parallel learners come with the
+        # scale-out issue. Refuse rather than silently train with fewer.
+        _require(
+            self.num_learners == 1,
+            f"trainer.num_learners={self.num_learners} is not supported yet; use 1 (a learner may use "
+            "several GPUs via trainer.num_gpus)",
+        )
 
 
 @dataclass

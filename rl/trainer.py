@@ -132,13 +132,13 @@ class Trainer:
         return {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
                 "sync/version": float(update.version)}  # fmt: skip
 
-    def _rollout(self, prompts: list, n: int, temperature: float, seed: int) -> list[Sample]:
+    def _rollout(self, prompts: list, n: int, temperature: float, top_p: float, seed: int) -> list[Sample]:
         import ray
 
         k = len(self.rollout)
         shards = [prompts[i::k] for i in range(k)]
         futures = [
-            w.generate.remote(shard, n, temperature, seed * 7919 + i, self.step)
+            w.generate.remote(shard, n, temperature, top_p, seed * 7919 + i, self.step)
             for i, (w, shard) in enumerate(zip(self.rollout, shards, strict=True))
             if shard
         ]
@@ -157,7 +157,11 @@ class Trainer:
         while True:
             prompts = self.train_stream.next_batch()
             samples = self._rollout(
-                prompts, c.rollout.n_samples, c.rollout.temperature, self.step * 100 + n_rounds
+                prompts,
+                c.rollout.n_samples,
+                c.rollout.temperature,
+                c.rollout.top_p,
+                self.step * 100 + n_rounds,
             )
             n_rounds += 1
             by_uid: dict[str, list[Sample]] = {}
@@ -205,7 +209,11 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         c = self.cfg
         samples = self._rollout(
-            self.eval_prompts, c.trainer.eval_n_samples, c.trainer.eval_temperature, 10**6
+            self.eval_prompts,
+            c.trainer.eval_n_samples,
+            c.trainer.eval_temperature,
+            c.trainer.eval_top_p,
+            10**6,
         )
         return {
             "eval/acc": _mean([s.acc for s in samples]),

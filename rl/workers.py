@@ -86,7 +86,7 @@ class RolloutWorker:
         self.version = update.version
 
     def generate(
-        self, prompts: list, n: int, temperature: float, seed: int, min_version: int = 0
+        self, prompts: list, n: int, temperature: float, top_p: float, seed: int, min_version: int = 0
     ) -> list[Sample]:
         """n samples of each prompt. Seeds derive from (seed, prompt position), so a step's rollouts
         are reproducible whatever the worker count."""
@@ -100,7 +100,7 @@ class RolloutWorker:
         r = self.cfg.rollout
         params = SamplingParams(
             temperature=temperature,
-            top_p=r.top_p if temperature > 0 else 1.0,
+            top_p=top_p if temperature > 0 else 1.0,
             max_tokens=r.max_tokens,
             stop_token_ids=tuple(self.tokenizer.stop_token_ids),
         )
@@ -154,16 +154,15 @@ class RewardWorker:
             [s.text for s in samples], [s.ground_truth for s in samples], timeout_s=self.cfg.reward.timeout_s
         )
         r = self.cfg.reward
-        for s, res in zip(samples, results, strict=True):
+        shaping = [0.0] * len(samples)
+        if r.overlong_buffer > 0:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            shaping = grpo.overlong_penalty(
+                lengths, self.cfg.rollout.max_tokens, r.overlong_buffer, r.overlong_penalty
+            ).tolist()
+        for s, res, extra in zip(samples, results, shaping, strict=True):
             s.acc = float(res["acc"])
-            s.reward = float(res["score"])
-            if r.overlong_buffer > 0:
-                s.reward += float(
-                    grpo.overlong_penalty(
-                        torch.tensor([len(s.response_ids)]), self.cfg.rollout.max_tokens, r.overlong_buffer,
-                        r.overlong_penalty,
-                    )[0]
-                )  # fmt: skip
+            s.reward = float(res["score"]) + extra
             if "error" in res:
                 s.extra["reward_error"] = res["error"]
         return samples

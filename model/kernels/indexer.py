@@ -27,7 +27,7 @@ width (pages per sequence), S keys of one sequence, NB key blocks, K top-k block
 
 import torch
 
-from model.kv_cache import PagedIndex, dequantize_kv, gather_pages
+from model.kv_cache import GATHER_CHUNK_BYTES, PagedIndex, dequantize_kv, gather_pages, gather_sequences
 
 
 def select_blocks(
@@ -118,8 +118,6 @@ def index_select_blocks_torch(
 ) -> torch.Tensor:
     """Batched torch path: all sequences' index keys gathered and dequantized once, every token
     scored in chunks (no Python loop over sequences). Same selection as the reference (tested)."""
-    from model.kernels.sparse_attention import _CHUNK_BYTES, gather_sequences
-
     T, N, C = index_q_TNC.shape
     page = index_cache.pages.shape[1]
     S = int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
@@ -130,7 +128,7 @@ def index_select_blocks_torch(
     keys_BSC = keys_BSC[:, :, 0].where(valid_BS[..., None], 0.0)
     NB = -(-S // page)
     out_TNK = torch.empty((T, N, topk), dtype=torch.long, device=index_q_TNC.device)
-    chunk = max(1, _CHUNK_BYTES // max(1, S * C * 4))
+    chunk = max(1, GATHER_CHUNK_BYTES // max(1, S * C * 4))
     for t0 in range(0, T, chunk):
         rows = slice(t0, min(T, t0 + chunk))
         pos_t = positions_T[rows]

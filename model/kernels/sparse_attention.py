@@ -21,7 +21,7 @@ width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
 import torch
 
 from model.kernels.indexer import check_varlen_args
-from model.kv_cache import PagedKV, dequantize_kv, gather_pages
+from model.kv_cache import GATHER_CHUNK_BYTES, PagedKV, dequantize_kv, gather_pages, gather_sequences
 
 
 def sparse_attention_ref(
@@ -65,23 +65,6 @@ def sparse_attention_ref(
     return out_THC
 
 
-# Bytes of gathered keys per token chunk in the batched torch path (bounds its peak memory).
-_CHUNK_BYTES = 64 << 20
-
-
-def gather_sequences(
-    pages: torch.Tensor, block_tables_BP: torch.Tensor, seq_lens_B: torch.Tensor, S: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored rows of every sequence, padded to S: pages [P, page, ...] -> ([B, S, ...], valid [B, S]).
-    Slots past a sequence's length (stale or never written) are flagged invalid for the caller to zero."""
-    B, page = block_tables_BP.shape[0], pages.shape[1]
-    n_pages = -(-S // page)
-    table = block_tables_BP[:, :n_pages].long().clamp(min=0)  # unused slots may hold -1
-    rows = pages[table].reshape(B, n_pages * page, *pages.shape[2:])[:, :S]
-    valid_BS = torch.arange(S, device=pages.device) < seq_lens_B[:, None]
-    return rows, valid_BS
-
-
 def sparse_attention_torch(
     q_THC: torch.Tensor,
     kv_cache: PagedKV,
@@ -108,7 +91,7 @@ def sparse_attention_torch(
     NB = -(-S // page)
     key_block_S = torch.arange(S, device=q_THC.device) // page
     out_THC = torch.empty_like(q_THC)
-    chunk = max(1, _CHUNK_BYTES // max(1, S * N * C * 4))
+    chunk = max(1, GATHER_CHUNK_BYTES // max(1, S * N * C * 4))
     for t0 in range(0, T, chunk):
         rows = slice(t0, min(T, t0 + chunk))
         seq_t = seq_idx_T[rows].long()
