@@ -29,6 +29,8 @@ Invariants:
   are stale, never read (attention reads positions <= the query's own, all written), and are
   overwritten by the next append at those positions.
 - No host syncs in append / gather (lengths are Python ints owned by the caller).
+- Plain NVFP4 appends run the fused Triton quantize-and-store kernel on CUDA
+  (`model.kernels.triton_kv_append`, byte-identical to `quantize_kv`); everything else is torch.
 """
 
 from collections.abc import Sequence
@@ -39,6 +41,12 @@ import torch
 
 from model import nvfp4
 from model.config import ModelConfig
+
+try:  # Triton is optional on CPU machines: without it appends take the torch path.
+    from model.kernels.triton_common import triton_available
+    from model.kernels.triton_kv_append import nvfp4_append
+except ImportError:  # pragma: no cover - depends on the install
+    triton_available = None
 
 KVDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 NVFP4_DTYPES = ("nvfp4", "nvfp4_4over6")  # one storage layout, one dequantization
@@ -107,6 +115,18 @@ def kv_quant_dequant(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> to
     if dtype in NVFP4_DTYPES:
         return nvfp4.kv_quant_dequant(x, scale, four_over_six=dtype == "nvfp4_4over6", check_finite=False)
     return dequantize_kv(quantize_kv(x, dtype, scale), dtype, scale, x.shape[-1], out_dtype=x.dtype)
+
+
+def _triton_append_ok(dtype: KVDtype, x: torch.Tensor) -> bool:
+    """The fused Triton append serves plain NVFP4 (the 4-over-6 writer stays on the torch path) on
+    CUDA, or on the CPU under TRITON_INTERPRET=1, for rows contiguous in their last dim."""
+    return (
+        dtype == "nvfp4"
+        and triton_available is not None
+        and triton_available(x)
+        and x.stride(-1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 def slot_mapping(
@@ -264,17 +284,31 @@ class KVCache:
         page_T = slot_mapping_T.long() // self.page_size
         offset_T = slot_mapping_T.long() % self.page_size
         kv_dtype = self.kv_dtypes[layer]
+        if _triton_append_ok(kv_dtype, k_TNC):
+            # One fused quantize-and-store launch per side (bytes identical to the torch path).
+            nvfp4_append(k_TNC, slot_mapping_T, self.scales[layer, 0], self.kv[layer], 2, 0)
+            nvfp4_append(v_TNC, slot_mapping_T, self.scales[layer, 1], self.kv[layer], 2, 1)
+            if is_sparse:
+                self._append_index(layer, slot_mapping_T, page_T, offset_T, index_k_TC)
+            return
         k_st = quantize_kv(k_TNC, kv_dtype, self.scales[layer, 0])
         v_st = quantize_kv(v_TNC, kv_dtype, self.scales[layer, 1])
         kv_T2NX = torch.stack([k_st, v_st], dim=2).reshape(T, 2 * N, -1)  # slot 2*head + side
         heads = torch.arange(2 * N, device=page_T.device)
         self.kv[layer][page_T[:, None], heads[None, :], offset_T[:, None]] = kv_T2NX
         if is_sparse:
-            if tuple(index_k_TC.shape) != (T, self.index_head_dim):
-                raise ValueError(f"index_k_TC has shape {tuple(index_k_TC.shape)}, expected "
-                                 f"(T={T}, Ci={self.index_head_dim})")  # fmt: skip
-            idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
-            self.index[layer][page_T, offset_T] = idx_st
+            self._append_index(layer, slot_mapping_T, page_T, offset_T, index_k_TC)
+
+    def _append_index(self, layer, slot_mapping_T, page_T, offset_T, index_k_TC) -> None:
+        T = slot_mapping_T.shape[0]
+        if tuple(index_k_TC.shape) != (T, self.index_head_dim):
+            raise ValueError(f"index_k_TC has shape {tuple(index_k_TC.shape)}, expected "
+                             f"(T={T}, Ci={self.index_head_dim})")  # fmt: skip
+        if _triton_append_ok(self.index_dtype, index_k_TC):
+            nvfp4_append(index_k_TC[:, None, :], slot_mapping_T, self.scales[layer, 2], self.index[layer])
+            return
+        idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
+        self.index[layer][page_T, offset_T] = idx_st
 
     # --------------------------------------------------------------------------- read
     def gather(

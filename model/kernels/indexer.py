@@ -17,15 +17,22 @@ Semantics (FACTS section 2, "MSA"):
 training forward (model/layers/attention.py), so both paths choose identically.
 
 Kernel-module layout: `index_select_blocks_ref` is the torch spec (loops over sequences with a
-host sync, fine for a reference); `index_select_blocks` validates and dispatches. A Triton
-kernel (paged score + max-pool + top-k, dequantizing index pages tile by tile) plugs in at the
-marked dispatch point in a later issue.
+host sync, fine for a reference); `index_select_blocks_torch` the batched torch path (CPU);
+`index_select_blocks` validates and dispatches: the Triton kernels of
+`model.kernels.triton_indexer` (paged scores + block max + top-k, index pages dequantized tile by
+tile, no host sync) on CUDA (or under TRITON_INTERPRET=1), the torch path elsewhere.
 
 Legend: T tokens, N index heads (= KV heads), C index head dim, B sequences, P block-table
 width (pages per sequence), S keys of one sequence, NB key blocks, K top-k blocks.
 """
 
 import torch
+
+try:  # Triton is optional on CPU machines: without it every call takes the torch path.
+    from model.kernels.triton_common import triton_available
+    from model.kernels.triton_indexer import index_select_blocks_triton, triton_index_supported
+except ImportError:  # pragma: no cover - depends on the install
+    triton_available = None
 
 from model.kv_cache import GATHER_CHUNK_BYTES, PagedIndex, dequantize_kv, gather_pages, gather_sequences
 
@@ -194,7 +201,15 @@ def index_select_blocks(
     check_varlen_args(T, block_tables_BP, seq_idx_T, positions_T, seq_lens_B)
     if topk <= 0:
         raise ValueError(f"topk must be positive, got {topk}")
-    # Triton kernel plugs in here (later issue) for CUDA tensors; until then the batched torch path.
+    if (
+        triton_available is not None
+        and triton_available(index_q_TNC)
+        and triton_index_supported(index_q_TNC, index_cache.pages, index_cache.dtype)
+    ):
+        return index_select_blocks_triton(
+            index_q_TNC, index_cache.pages, index_cache.dtype, index_cache.scale, block_tables_BP,
+            seq_idx_T, positions_T, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+        )  # fmt: skip
     return index_select_blocks_torch(
         index_q_TNC, index_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B,
         topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,

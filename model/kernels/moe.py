@@ -5,7 +5,10 @@ in the bank's storage format (float, NVFP4 or MXFP8); the bank is frozen during 
 go to the tokens (x) and the routing weights (hence the router) only, and later to per-expert LoRA
 deltas through the bank's `lora` hook.
 
-How (reference path, runs everywhere): token-slots are sorted by expert, each expert runs once on
+How (inference on CUDA, or under TRITON_INTERPRET=1, for an NVFP4 bank with bf16 tokens, no
+adapter and no grad): the Triton W4A16 grouped kernels of `model.kernels.triton_moe` (fused
+gate/up + swigluoai, then down x router weight; weights decoded in registers, no host sync).
+How (torch path, everywhere else): token-slots are sorted by expert, each expert runs once on
 its contiguous group (NVFP4 through `nvfp4_linear`, which dequantizes tile by tile), and the
 weighted results are scatter-added back in fp32. `moe_experts_ref` is the spec: a plain loop over
 tokens and slots with whole dequantized weights.
@@ -26,6 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels.nvfp4_linear import nvfp4_linear
+
+try:  # Triton is optional on CPU machines: without it every call takes the torch path.
+    from model.kernels.triton_common import triton_available
+    from model.kernels.triton_moe import moe_nvfp4_triton, triton_moe_supported
+except ImportError:  # pragma: no cover - depends on the install
+    triton_available = None
 from model.mxfp8 import dequantize_mxfp8
 
 if TYPE_CHECKING:
@@ -134,6 +143,19 @@ def moe_experts_ref(
     return torch.stack(rows).to(x_TD.dtype)
 
 
+def _use_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, bank: ExpertBank) -> bool:
+    """The Triton W4A16 path serves inference only: NVFP4 bank, bf16 tokens, no adapter, no grad."""
+    needs_grad = torch.is_grad_enabled() and (x_TD.requires_grad or weights_TK.requires_grad)
+    return (
+        triton_available is not None
+        and bank.fmt == "nvfp4"
+        and bank.lora is None
+        and not needs_grad
+        and triton_available(x_TD)
+        and triton_moe_supported(x_TD, bank.w1_weight, bank.w2_weight)
+    )
+
+
 def moe_experts(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
@@ -146,8 +168,22 @@ def moe_experts(
     n_tokens, top_k = topk_ids_TK.shape
     if n_tokens == 0 or top_k == 0:
         return x_TD.new_zeros(x_TD.shape) + 0.0 * topk_weights_TK.sum()  # keeps the graph connected
-    # Triton grouped-GEMM kernel (later issue) plugs in here for CUDA tensors: same sorted layout,
-    # segment offsets read on device (no host sync), NVFP4 tiles dequantized in registers.
+    if _use_triton(x_TD, topk_weights_TK, bank):
+        return moe_nvfp4_triton(
+            x_TD, topk_ids_TK, topk_weights_TK,
+            *((getattr(bank, f"{p}_weight"), getattr(bank, f"{p}_weight_scale"),
+               getattr(bank, f"{p}_weight_scale_2")) for p in ("w1", "w3", "w2")),
+            swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
+        )  # fmt: skip
+    return moe_experts_torch(x_TD, topk_ids_TK, topk_weights_TK, bank)
+
+
+def moe_experts_torch(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
+) -> torch.Tensor:
+    """Torch grouped path (training, CPU, non-NVFP4 banks): slots sorted by expert, one call per
+    active expert. Differentiable; one host sync for the group bounds."""
+    top_k = topk_ids_TK.shape[1]
     ids_S = topk_ids_TK.reshape(-1)
     order_S = torch.argsort(ids_S, stable=True)  # slots grouped by expert, token order kept inside a group
     token_S = order_S // top_k

@@ -10,9 +10,12 @@ scores, softmax and the P.V product run in fp32; the output has q's dtype. A que
 allowed key (only possible with index_local_blocks = 0) gets a zero output.
 
 Kernel-module layout: `sparse_attention_ref` is the torch spec (gathers each sequence's pages,
-one host sync per call to loop over sequences); `sparse_attention` validates and dispatches.
-The Triton kernel (dequantizing pages tile by tile in SRAM, FP8 or bf16 tensor-core dots, only
-the selected pages read) plugs in at the marked dispatch point in a later issue.
+one host sync per call to loop over sequences); `sparse_attention_torch` the batched torch path;
+`sparse_attention` validates and dispatches: on CUDA (or under TRITON_INTERPRET=1) the Triton
+kernel of `model.kernels.triton_sparse_attention` (only the selected pages read, dequantized tile
+by tile; FP8 dots for FP8 / NVFP4 caches, bf16 dots for bf16; split over blocks with an LSE merge),
+elsewhere (and for fp32 caches) the torch path. The FP8 path rounds q and P to e4m3: its output
+differs from this module's fp32 numerics by FP8 rounding (see that module).
 
 Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
 width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
@@ -21,6 +24,12 @@ width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
 import torch
 
 from model.kernels.indexer import check_varlen_args
+
+try:  # Triton is optional on CPU machines: without it every call takes the torch path.
+    from model.kernels.triton_common import triton_available
+    from model.kernels.triton_sparse_attention import sparse_attention_triton, triton_attention_supported
+except ImportError:  # pragma: no cover - depends on the install
+    triton_available = None
 from model.kv_cache import GATHER_CHUNK_BYTES, PagedKV, dequantize_kv, gather_pages, gather_sequences
 
 
@@ -143,7 +152,15 @@ def sparse_attention(
     ):
         raise ValueError(f"selected_TNK must be an integer [T={T}, N={N}, K] tensor, got "
                          f"{tuple(selected_TNK.shape)} {selected_TNK.dtype}")  # fmt: skip
-    # Triton kernel plugs in here (later issue) for CUDA tensors; until then the batched torch path.
+    if (
+        triton_available is not None
+        and triton_available(q_THC)
+        and triton_attention_supported(q_THC, kv_cache)
+    ):
+        return sparse_attention_triton(
+            q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, selected_TNK,
+            softmax_scale=softmax_scale,
+        )  # fmt: skip
     return sparse_attention_torch(
         q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B, selected_TNK,
         softmax_scale=softmax_scale,

@@ -1,0 +1,388 @@
+"""Decode-kernel benchmark: Triton NVFP4 KV append, indexer, sparse attention and W4A16 MoE on an H200.
+
+What it prints per kernel and shape: median time (triton.testing.do_bench: warm-up, L2 flushed
+before every repeat), bytes that must move, achieved bandwidth, % of the 4.17 TB/s copy roofline
+(PERFORMANCE.md), and the ratios PERFORMANCE.md targets, each measured side by side in this process:
+  indexer NVFP4 vs FP8 index keys (>= 1.7x), sparse attention NVFP4 vs FP8 cache (>= 1.5x),
+  W4A16 GEMV (m <= 16, 6144 x 6144) vs torch bf16 (>= 3x), MoE layer (batch 64, 128 experts top-4
+  + shared expert) vs a bf16 grouped torch layer (>= 2.5x),
+and every Triton kernel against the naive torch path of the same op. Correctness is checked against
+the torch path on the same inputs before timing. Shapes: M3.1-Flash (`ModelConfig.preset
+("m3.1-flash")`: 4 KV / index heads, head_dim 128, 128-token blocks, top-16 blocks, 128 experts of
+3072, hidden 6144), batch 1 and 64, contexts 32K and 128K. Data is random (never zeros).
+
+Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick]
+"""
+
+# ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.kernels.indexer import index_select_blocks_torch
+from model.kernels.moe import moe_experts_torch, swigluoai
+from model.kernels.sparse_attention import sparse_attention_torch
+from model.kernels.triton_indexer import index_select_blocks_triton
+from model.kernels.triton_kv_append import nvfp4_append
+from model.kernels.triton_moe import moe_nvfp4_triton, nvfp4_linear_triton, nvfp4_mlp_triton
+from model.kernels.triton_sparse_attention import sparse_attention_triton
+from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
+from model.layers.moe import ExpertBank
+
+ROOFLINE_TBS = 4.17
+ROWS: list[dict] = []
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    """Median microseconds of fn (L2 flushed before each repeat by do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+def bench_slow(fn, reps: int = 3) -> float:
+    """Median microseconds of a slow (launch-bound) baseline: one warm-up call, `reps` timed calls."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def record(kernel: str, shape: str, variant: str, us: float, n_bytes: float, **extra) -> dict:
+    row = dict(
+        kernel=kernel,
+        shape=shape,
+        variant=variant,
+        us=round(us, 2),
+        bytes=int(n_bytes),
+        tb_s=round(n_bytes / us / 1e6, 3),
+        pct_roofline=round(100 * n_bytes / us / 1e6 / ROOFLINE_TBS, 1),
+        **extra,
+    )
+    ROWS.append(row)
+    print(
+        f"{kernel:10s} {shape:28s} {variant:22s} {us:10.1f} us {row['tb_s']:7.3f} TB/s "
+        f"{row['pct_roofline']:6.1f}% {extra if extra else ''}",
+        flush=True,
+    )
+    return row
+
+
+def random_pages(shape_rows: tuple, dtype: str, C: int, device) -> torch.Tensor:
+    """Random stored rows of the given cache dtype (valid encodings, no NaN)."""
+    if dtype == "bf16":
+        return torch.randn(*shape_rows, C, device=device, dtype=torch.bfloat16)
+    if dtype == "fp8":
+        return (torch.randn(*shape_rows, C, device=device) * 4).to(torch.float8_e4m3fn).view(torch.uint8)
+    packed = torch.randint(0, 256, (*shape_rows, C // 2), dtype=torch.uint8, device=device)
+    scales = (torch.rand(*shape_rows, C // 16, device=device) * 60 + 4).to(torch.float8_e4m3fn)
+    return torch.cat([packed, scales.view(torch.uint8)], dim=-1)
+
+
+def tables(B: int, ctx: int, page: int, device) -> tuple[torch.Tensor, int]:
+    n = ctx // page
+    perm = torch.randperm(B * n, device=device, dtype=torch.int64).int()
+    return perm.view(B, n), B * n
+
+
+# ------------------------------------------------------------------------------------------ indexer
+def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) -> None:
+    N, C, page, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_block_size, cfg.index_topk_blocks
+    table, n_pages = tables(B, ctx, page, device)
+    seq = torch.arange(B, device=device, dtype=torch.int32)
+    pos = torch.full((B,), ctx - 1, device=device, dtype=torch.int64)
+    lens = pos + 1
+    q = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
+    shape = f"B={B} ctx={ctx // 1024}K"
+    times = {}
+    for dtype in ("nvfp4", "fp8", "bf16"):
+        pages = random_pages((n_pages, page), dtype, C, device)
+        scale = torch.tensor(0.01, device=device)
+        kw = dict(topk=K, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
+        fn = lambda: index_select_blocks_triton(q, pages, dtype, scale, table, seq, pos, **kw)
+        got = fn()
+        if with_torch and dtype in ("nvfp4", "bf16"):
+            want = index_select_blocks_torch(
+                q, PagedIndex(pages, dtype, scale, C), table, seq, pos, lens, **kw
+            )
+            agree = (got.sort(-1).values == want.sort(-1).values).float().mean().item()
+            t_torch = bench(
+                lambda: index_select_blocks_torch(
+                    q, PagedIndex(pages, dtype, scale, C), table, seq, pos, lens, **kw
+                ),
+                rep_ms=100,
+            )
+            record(
+                "indexer", shape, f"torch {dtype}", t_torch, B * ctx * pages.shape[-1] * pages.element_size()
+            )
+        else:
+            agree = None
+        times[dtype] = bench(fn)
+        n_bytes = B * ctx * pages.shape[-1] * pages.element_size() + q.nbytes
+        extra = {"agree_with_torch": round(agree, 4)} if agree is not None else {}
+        if with_torch and dtype in ("nvfp4", "bf16"):
+            extra["speedup_vs_torch"] = round(t_torch / times[dtype], 2)
+        record("indexer", shape, f"triton {dtype}", times[dtype], n_bytes, **extra)
+    record(
+        "indexer",
+        shape,
+        "ratio nvfp4 vs fp8",
+        times["nvfp4"],
+        0,
+        speedup=round(times["fp8"] / times["nvfp4"], 2),
+        target=1.7,
+    )
+
+
+# ------------------------------------------------------------------------------------------ attention
+def naive_selected_attention(q, kv: PagedKV, table, pos, sel, scale):
+    """Naive torch decode baseline: gather only the selected pages, dequantize, masked softmax."""
+    T, H, C = q.shape
+    N, page = kv.pages.shape[1] // 2, kv.pages.shape[2]
+    G = H // N
+    pages_TNK = table.long().gather(1, sel.clamp(min=0).view(T, -1)).view(T, N, -1)
+    heads = torch.arange(N, device=q.device)[None, :, None]
+    k = dequantize_kv(kv.pages[pages_TNK, 2 * heads], kv.dtype, kv.k_scale, C)  # [T, N, K, page, C]
+    v = dequantize_kv(kv.pages[pages_TNK, 2 * heads + 1], kv.dtype, kv.v_scale, C)
+    tok = sel[..., None] * page + torch.arange(page, device=q.device)
+    ok = (tok <= pos[:, None, None, None]) & (sel[..., None] >= 0)
+    s = torch.einsum("tngc,tnkpc->tngkp", q.float().view(T, N, G, C), k) * scale
+    s = s.masked_fill(~ok[:, :, None], float("-inf")).flatten(-2)
+    p = torch.softmax(s, -1).view(*s.shape[:-1], -1, page)
+    return torch.einsum("tngkp,tnkpc->tngc", p, v).reshape(T, H, C).to(q.dtype)
+
+
+def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) -> None:
+    H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    page, K = cfg.index_block_size, cfg.index_topk_blocks
+    table, n_pages = tables(B, ctx, page, device)
+    seq = torch.arange(B, device=device, dtype=torch.int32)
+    pos = torch.full((B,), ctx - 1, device=device, dtype=torch.int64)
+    nb = ctx // page
+    sel = torch.stack([torch.randperm(nb - 1, device=device)[: K - 1] for _ in range(B * N)]).view(
+        B, N, K - 1
+    )
+    sel = torch.cat([torch.full((B, N, 1), nb - 1, device=device), sel], dim=-1)  # local block first
+    q = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
+    shape = f"B={B} ctx={ctx // 1024}K"
+    times = {}
+    for dtype in ("nvfp4", "fp8", "bf16"):
+        pages = random_pages((n_pages, 2 * N, page), dtype, C, device)
+        kv = PagedKV(pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C)
+        fn = lambda: sparse_attention_triton(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5)
+        want = naive_selected_attention(q, kv, table, pos, sel, C**-0.5).float()
+        err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+        times[dtype] = bench(fn)
+        n_bytes = B * N * K * page * 2 * pages.shape[-1] * pages.element_size() + 2 * q.nbytes
+        record("attention", shape, f"triton {dtype}", times[dtype], n_bytes, rel_err_vs_fp32=round(err, 4))
+        t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
+        record(
+            "attention",
+            shape,
+            f"naive-gather {dtype}",
+            t_naive,
+            n_bytes,
+            speedup_triton=round(t_naive / times[dtype], 2),
+        )
+        if with_torch and dtype == "bf16":
+            t_torch = bench(
+                lambda: sparse_attention_torch(q, kv, table, seq, pos, pos + 1, sel, softmax_scale=C**-0.5),
+                rep_ms=100,
+            )
+            record(
+                "attention",
+                shape,
+                "torch-path bf16",
+                t_torch,
+                n_bytes,
+                speedup_triton=round(t_torch / times[dtype], 2),
+            )
+    record(
+        "attention",
+        shape,
+        "ratio nvfp4 vs fp8",
+        times["nvfp4"],
+        0,
+        speedup=round(times["fp8"] / times["nvfp4"], 2),
+        target=1.5,
+    )
+
+
+# ------------------------------------------------------------------------------------------ moe
+def random_nvfp4(E: int, n_out: int, n_in: int, device) -> tuple:
+    packed = torch.randint(0, 256, (E, n_out, n_in // 2), dtype=torch.uint8, device=device)
+    scales = (torch.rand(E, n_out, n_in // 16, device=device) * 60 + 4).to(torch.float8_e4m3fn)
+    return packed, scales, torch.full((E,), 1e-3, device=device)
+
+
+def run_gemv(device, D: int = 6144) -> None:
+    packed, scales, sc2 = (t[0] for t in random_nvfp4(1, D, D, device))
+    w_bf16 = torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02
+    from model.kernels.nvfp4_linear import _NVFP4LinearTiled
+
+    for m in (1, 4, 16):
+        x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
+        got = nvfp4_linear_triton(x, packed, scales, sc2)
+        want = _NVFP4LinearTiled.apply(x, packed, scales, sc2.reshape(()), 256)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        t = bench(lambda: nvfp4_linear_triton(x, packed, scales, sc2))
+        t_bf16 = bench(lambda: F.linear(x, w_bf16))
+        t_naive = bench(lambda: _NVFP4LinearTiled.apply(x, packed, scales, sc2.reshape(()), 256), rep_ms=100)
+        shape = f"{D}x{D} m={m}"
+        record("gemv", shape, "torch bf16", t_bf16, D * D * 2)
+        record("gemv", shape, "naive torch nvfp4", t_naive, D * D * 9 / 16)
+        record(
+            "gemv",
+            shape,
+            "triton w4a16",
+            t,
+            D * D * 9 / 16 + 4 * m * D,
+            rel_err=round(err, 4),
+            speedup_vs_bf16=round(t_bf16 / t, 2),
+            target=3.0,
+            speedup_vs_naive=round(t_naive / t, 1),
+        )
+
+
+def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
+    E, D, K = cfg.num_local_experts, cfg.hidden_size, cfg.num_experts_per_tok
+    F_, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
+    w1, w3, w2 = (
+        random_nvfp4(E, F_, D, device),
+        random_nvfp4(E, F_, D, device),
+        random_nvfp4(E, D, F_, device),
+    )
+    shared = (random_nvfp4(1, Fs, D, device), random_nvfp4(1, Fs, D, device), random_nvfp4(1, D, Fs, device))
+    s1, s3, s2 = (tuple(t[0] for t in w) for w in shared)
+    x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, device=device)
+
+    def triton_layer():
+        y = moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
+        return y + nvfp4_mlp_triton(x, s1, s3, s2, swiglu_alpha=alpha, swiglu_limit=limit)
+
+    nv = ExpertBank(E, D, F_, "nvfp4", device=device)
+    for p, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        for suffix, t in zip(("weight", "weight_scale", "weight_scale_2"), w):
+            getattr(nv, f"{p}_{suffix}").copy_(t)
+    routed = moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
+    want = moe_experts_torch(x, ids, wts, nv)  # the naive torch NVFP4 path (dequantize tiles + matmul)
+    err = ((routed.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    t_naive = bench_slow(lambda: moe_experts_torch(x, ids, wts, nv))
+    t_routed = bench(
+        lambda: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
+    )
+    t_layer = bench(triton_layer)
+    bf = ExpertBank(E, D, F_, "float", dtype=torch.bfloat16, device=device)
+    for p in ("w1", "w3", "w2"):
+        getattr(bf, f"{p}_weight").data.normal_(0, 0.02)
+    sh = [torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02 for s in ((Fs, D), (Fs, D), (D, Fs))]
+
+    def bf16_layer():
+        y = moe_experts_torch(x, ids, wts, bf)
+        return y + F.linear(swigluoai(F.linear(x, sh[0]), F.linear(x, sh[1]), alpha, limit), sh[2])
+
+    t_bf16 = bench(bf16_layer)
+    n_active = int(torch.unique(ids).numel())
+    shape = f"T={T} E={E} top{K} +shared"
+    routed_bytes = n_active * 3 * F_ * D * 9 / 16
+    record("moe", shape, "naive torch nvfp4 routed", t_naive, routed_bytes)
+    record(
+        "moe",
+        shape,
+        "triton routed",
+        t_routed,
+        routed_bytes,
+        rel_err_vs_torch=round(err, 4),
+        speedup_vs_naive=round(t_naive / t_routed, 1),
+    )
+    record("moe", shape, "torch bf16 grouped layer", t_bf16, (n_active * 3 * F_ * D + 3 * Fs * D) * 2)
+    record(
+        "moe",
+        shape,
+        "triton layer",
+        t_layer,
+        routed_bytes + 3 * Fs * D * 9 / 16,
+        speedup_vs_bf16=round(t_bf16 / t_layer, 2),
+        target=2.5,
+    )
+
+
+# ------------------------------------------------------------------------------------------ append
+def run_append(cfg: ModelConfig, device, T: int = 64) -> None:
+    N, C, page = cfg.num_key_value_heads, cfg.head_dim, cfg.index_block_size
+    pages = torch.zeros(T * 2, 2 * N, page, stored_width("nvfp4", C), dtype=torch.uint8, device=device)
+    k = torch.randn(T, N, C, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(T * 2 * page, device=device)[:T]
+    scale = torch.tensor(0.01, device=device)
+    t = bench(lambda: nvfp4_append(k, slots, scale, pages, 2, 0))
+    heads = torch.arange(N, device=device) * 2
+
+    def torch_append():
+        st = quantize_kv(k, "nvfp4", scale)
+        pages[slots[:, None] // page, heads[None, :], slots[:, None] % page] = st
+
+    t_torch = bench(torch_append)
+    record(
+        "append",
+        f"T={T} N={N} C={C}",
+        "triton nvfp4 (K side)",
+        t,
+        k.nbytes + T * N * 72,
+        speedup_vs_torch=round(t_torch / t, 1),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None, help="write one JSON line per measurement here")
+    ap.add_argument("--quick", action="store_true", help="one context (32K) and fewer cases")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
+    args = ap.parse_args()
+    if args.device != "cuda" or not torch.cuda.is_available():
+        raise SystemExit(
+            "decode_kernels.py times Triton kernels on a CUDA device: use --device cuda on a GPU"
+        )
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("m3.1-flash")
+    print(f"device {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    only = set(args.only or ["append", "indexer", "attention", "gemv", "moe"])
+    contexts = [32768] if args.quick else [32768, 131072]
+    t0 = time.time()
+    if "append" in only:
+        run_append(cfg, device)
+    for B in (1, 64):
+        for ctx in contexts:
+            small = B * ctx <= 64 * 32768
+            if "indexer" in only:
+                run_indexer(cfg, B, ctx, device, with_torch=small)
+            if "attention" in only:
+                run_attention(cfg, B, ctx, device, with_torch=small and B == 1)
+            torch.cuda.empty_cache()
+    if "gemv" in only:
+        run_gemv(device, cfg.hidden_size)
+    if "moe" in only:
+        run_moe_layer(cfg, device)
+    print(f"total {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            for row in ROWS:
+                f.write(json.dumps({"date": time.strftime("%Y-%m-%d"), **row}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Triton lightning-indexer decode: paged block-max QK scores, then top-k block selection.
+
+Why: the indexer reads every cached index key of every request at every decode step (128 values per
+token per sparse layer), so it is bound by HBM bytes: an NVFP4 index cache (72 B/token) moves 1.78x
+fewer bytes than FP8 (128 B) and 3.56x fewer than bf16. The torch path gathers, dequantizes to
+fp32 and materialises [T, N, S] scores; here keys are read once, dequantized in registers and only
+per-block maxima leave the chip.
+
+Kernels (semantics: `model.kernels.indexer`, FACTS 2 "MSA"):
+1. `_index_scores_kernel`, grid (T, SPLITS): query row t (all N index heads at once, so each key is
+   read once per row) walks its blocks [split * BPS, ...) up to its own block pos // page; per page a
+   [N, C] x [C, page] dot, keys after pos masked, max over the page -> scores [T, N, P] (fp32).
+   SPLITS is chosen so T * SPLITS covers ~4 waves of the GPU's SMs: at batch 1 the context itself
+   is split (1024 blocks of a 128K context over ~512 programs).
+2. `_index_topk_kernel`, grid (T, N): forced blocks first (the local blocks nearest first, then the
+   init blocks), then `topk - forced` rounds of argmax (ties to the lower block id), -1 padding.
+
+Numerics: NVFP4 keys are dequantized to e2m1 * block_scale (exact in bf16) with the global scale
+applied to the score; FP8 keys to their e4m3 value (exact in bf16) times the scale; bf16 keys as
+stored. bf16 queries use a bf16 dot with fp32 accumulation (every product exact); fp32 / fp16
+queries or an fp32 cache use an IEEE fp32 dot. Scores equal the reference's up to fp32 summation
+order; selections equal it except at exact near-ties (tested on random data).
+
+Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
+blocks), K top-k blocks, BPS blocks per split.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.triton_common import dot_bf16, f32_to_bf16, load_nvfp4_tile, num_sms, use_hw_casts
+
+FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
+_FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def load_key_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr):
+    """Stored key rows -> fp32 [ROWS, C] without the global scale (exact in bf16 unless fp32 cache)."""
+    if FMT == 2:
+        vals = load_nvfp4_tile(row_ptrs, is_row, C, ROWS)
+    else:
+        offs_c = tl.arange(0, C)
+        raw = tl.load(row_ptrs[:, None] + offs_c[None, :], mask=is_row[:, None], other=0)
+        if FMT == 1:
+            vals = raw.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            vals = raw.to(tl.float32)
+    return vals
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, stride_qt, stride_qn,
+    pages_ptr, stride_pp, stride_ps,
+    bt_ptr, stride_bb, seq_ptr, pos_ptr, scale_ptr,
+    out_ptr, stride_ot, stride_on,
+    BPS,
+    N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
+    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    blk0 = tl.program_id(1) * BPS
+    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
+    n_iter = tl.minimum(BPS, pos // PAGE + 1 - blk0)  # blocks past the query's own are not candidates
+
+    offs_n = tl.arange(0, N_P2)
+    offs_c = tl.arange(0, C)
+    offs_s = tl.arange(0, PAGE)
+    is_head = offs_n < N
+    q_nc = tl.load(q_ptr + pid_t * stride_qt + offs_n[:, None] * stride_qn + offs_c[None, :],
+                   mask=is_head[:, None], other=0.0)  # fmt: skip
+    if DOT_F32:
+        q_nc = q_nc.to(tl.float32)
+    else:
+        q_nc = q_nc.to(tl.bfloat16)
+    g = 1.0
+    if FMT != 0:
+        g = tl.load(scale_ptr).to(tl.float32)
+    for i in range(0, n_iter):
+        blk = blk0 + i
+        page = tl.load(bt_ptr + seq * stride_bb + blk).to(tl.int64)
+        tok_s = blk * PAGE + offs_s
+        is_vis = tok_s <= pos
+        keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
+        if DOT_F32:
+            scores_ns = tl.dot(q_nc, tl.trans(keys_sc), input_precision="ieee")
+        else:
+            scores_ns = dot_bf16(q_nc, tl.trans(f32_to_bf16(keys_sc, HW)), HW)
+        scores_ns = tl.where(is_vis[None, :], scores_ns * g, float("-inf"))
+        best_n = tl.max(scores_ns, axis=1)
+        tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
+
+
+@triton.jit
+def _index_topk_kernel(
+    scores_ptr, stride_st, stride_sn, pos_ptr, out_ptr, stride_ot, stride_on,
+    PAGE: tl.constexpr, NB_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    qb = tl.load(pos_ptr + pid_t).to(tl.int32) // PAGE
+    offs_b = tl.arange(0, NB_P2)
+    is_cand = offs_b <= qb
+    n_local = tl.minimum(LOCAL, qb + 1)
+    n_init = tl.maximum(0, tl.minimum(INIT, qb - LOCAL + 1))  # init blocks not already local
+    is_forced = ((qb - offs_b) < LOCAL) | (offs_b < n_init)
+    score_b = tl.load(scores_ptr + pid_t * stride_st + pid_n * stride_sn + offs_b, mask=is_cand,
+                      other=float("-inf"))  # fmt: skip
+    # Available candidates keep finite keys (a -inf score becomes the lowest float) so that
+    # argmax never prefers a forced / non-candidate block, whose key is -inf.
+    key_b = tl.where(is_cand & ~is_forced, tl.maximum(score_b, -3.4028234663852886e38), float("-inf"))
+
+    offs_k = tl.arange(0, K_P2)
+    n_forced = n_local + n_init
+    sel_k = tl.where(offs_k < n_local, qb - offs_k, tl.where(offs_k < n_forced, offs_k - n_local, -1))
+    n_pick = tl.minimum(K - n_forced, qb + 1 - n_forced)
+    for i in range(0, n_pick):
+        best = tl.argmax(key_b, axis=0, tie_break_left=True)
+        sel_k = tl.where(offs_k == n_forced + i, best, sel_k)
+        key_b = tl.where(offs_b == best, float("-inf"), key_b)
+    tl.store(out_ptr + pid_t * stride_ot + pid_n * stride_on + offs_k, sel_k.to(tl.int64), mask=offs_k < K)
+
+
+def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+    """(splits, blocks per split): enough programs for PROGRAMS_PER_SM waves even at n_rows = 1."""
+    target = PROGRAMS_PER_SM * num_sms(device)
+    splits = max(1, min(n_blocks, -(-target // max(1, n_rows))))
+    bps = -(-n_blocks // splits)
+    return -(-n_blocks // bps), bps
+
+
+def index_block_scores_triton(
+    index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
+    block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten)."""
+    T, N, C = index_q_TNC.shape
+    P = block_tables_BP.shape[1]
+    page = pages.shape[1]
+    scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
+    if T == 0:
+        return scores_TNP
+    splits, bps = plan_splits(T, P, index_q_TNC.device)
+    dot_f32 = index_q_TNC.dtype != torch.bfloat16 or dtype == "fp32"
+    _index_scores_kernel[(T, splits)](
+        index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
+        pages, pages.stride(0), pages.stride(1),
+        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
+        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps,
+        N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=page,
+        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(),
+    )  # fmt: skip
+    return scores_TNP
+
+
+def index_select_blocks_triton(
+    index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
+    block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+    *, topk: int, local_blocks: int, init_blocks: int, out_TNK: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Selected blocks [T, N, topk] int64 (into `out_TNK` if given); no host syncs."""
+    T, N, _ = index_q_TNC.shape
+    scores_TNP = index_block_scores_triton(
+        index_q_TNC, pages, dtype, scale, block_tables_BP, seq_idx_T, positions_T
+    )
+    if out_TNK is None:
+        out_TNK = torch.empty((T, N, topk), dtype=torch.long, device=index_q_TNC.device)
+    if T == 0:
+        return out_TNK
+    _index_topk_kernel[(T, N)](
+        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), positions_T,
+        out_TNK, out_TNK.stride(0), out_TNK.stride(1),
+        PAGE=pages.shape[1], NB_P2=triton.next_power_of_2(block_tables_BP.shape[1]),
+        K=topk, K_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, INIT=init_blocks,
+    )  # fmt: skip
+    return out_TNK
+
+
+def triton_index_supported(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bool:
+    """Shapes the kernels handle: power-of-two head dim >= 16 (C/16 a power of two for NVFP4) and
+    page >= 16 (tl.dot minimum), contiguous rows."""
+    C, page = index_q_TNC.shape[-1], pages.shape[1]
+    is_pow2 = C >= 16 and C & (C - 1) == 0 and page >= 16 and page & (page - 1) == 0
+    return is_pow2 and index_q_TNC.stride(-1) == 1 and pages.is_contiguous() and dtype in _FMT

@@ -1,0 +1,306 @@
+"""Triton paged (block-sparse) attention decode over NVFP4 / FP8 / bf16 K/V pages.
+
+Why: decode attention reads, per query token and KV group, only the indexer's selected pages (at
+most 16 x 128 keys), so it is bound by those bytes; NVFP4 pages (72 B per token, head and side)
+move 1.78x fewer than FP8. The torch path gathers whole sequences and dequantizes to fp32 first.
+
+Kernels (semantics: `model.kernels.sparse_attention`):
+1. `_sparse_attn_kernel`, grid (T, N, SPLITS): the G query heads of KV group n of token t (one
+   [G, C] tile, so each K/V page is read once for the whole group) walk BPS of the group's selected
+   blocks (all blocks 0..pos // page when dense) with an online softmax in the exp2 domain. Per page:
+   - K and V tiles [page, C] are loaded in their stored byte order and dequantized in registers:
+     NVFP4 -> e4m3(e2m1 * block_scale) (E2M1 by bit manipulation, FACTS 6; bit-exact with
+     `nvfp4.kv_dequantize_fp8`), FP8 used as stored, bf16 as stored; the per-layer global scales
+     multiply the scores (k_scale) and the output (v_scale), never the tiles;
+   - FP8 path: Q quantized per head row to e4m3 with scale amax / 448; scores = FP8 dot (fp32
+     accumulation); P (in [0, 1]) cast to e4m3 for the FP8 P.V dot; the row sum l uses fp32 P.
+     bf16 path (bf16 cache, or pages / head dims too small for FP8 MMA): bf16 dots, exact products.
+   SPLITS = 1 writes the output; otherwise each split writes (m, l, acc) partials.
+2. `_merge_kernel`, grid (T, N): log-sum-exp merge of the splits: out = sum_s acc_s 2^(m_s - M) /
+   sum_s l_s 2^(m_s - M) * v_scale. A row with no visible key gets zeros.
+SPLITS is chosen so T * N * SPLITS covers ~4 waves of SMs (batch 1: one block per program).
+
+Numerics: the FP8 path equals `sparse_attention_ref` run on FP8-emulated inputs (`fp8_emulated`:
+q -> e4m3(q / qs) * qs, pages -> fp32 values of the FP8 tiles) up to P's e4m3 rounding and fp32
+order; the bf16 path equals `sparse_attention_ref` up to bf16 rounding of q and P.
+
+Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, K selected slots, P block-table
+width, BPS blocks per split.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from model import nvfp4
+from model.kernels.triton_common import (
+    dot_bf16,
+    f32_to_bf16,
+    f32_to_e4m3,
+    load_nvfp4_tile,
+    num_sms,
+    nvfp4_tile_to_fp8,
+    use_hw_casts,
+)
+from model.kv_cache import PagedKV
+
+FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
+_FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
+PROGRAMS_PER_SM = 4
+LOG2E = 1.4426950408889634
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
+
+
+@triton.jit
+def _load_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl.constexpr,
+               FP8_DOT: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """Stored K or V rows -> the dot operand [ROWS, C]: e4m3 (FP8_DOT) or bf16, global scale excluded."""
+    if FMT == 2:
+        if FP8_DOT:
+            tile = nvfp4_tile_to_fp8(row_ptrs, is_row, C, ROWS, HW)
+        else:
+            tile = f32_to_bf16(load_nvfp4_tile(row_ptrs, is_row, C, ROWS), HW)
+    else:
+        offs_c = tl.arange(0, C)
+        raw = tl.load(row_ptrs[:, None] + offs_c[None, :], mask=is_row[:, None], other=0)
+        if FMT == 1:
+            tile = raw.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            if not FP8_DOT:
+                tile = tile.to(tl.float32).to(tl.bfloat16)  # exact, no rounding
+        else:
+            tile = f32_to_bf16(raw.to(tl.float32), HW)
+    return tile
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kp, stride_kh, stride_ks,
+    bt_ptr, stride_bb, seq_ptr, pos_ptr,
+    sel_ptr, stride_st, stride_sn,
+    kscale_ptr, vscale_ptr, sm_scale_log2,
+    out_ptr, stride_ot, stride_oh,
+    part_ptr, ml_ptr,
+    n_slots, BPS, SPLITS,
+    G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
+    FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
+    slot0 = pid_s * BPS
+    if DENSE:
+        n_iter = tl.minimum(BPS, pos // PAGE + 1 - slot0)
+    else:
+        n_iter = tl.minimum(BPS, n_slots - slot0)
+
+    offs_g = tl.arange(0, G_P2)
+    offs_c = tl.arange(0, C)
+    offs_s = tl.arange(0, PAGE)
+    is_head = offs_g < G
+    q_gc = tl.load(q_ptr + pid_t * stride_qt + (pid_n * G + offs_g[:, None]) * stride_qh + offs_c[None, :],
+                   mask=is_head[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    k_scale = 1.0
+    v_scale = 1.0
+    if FMT != 0:
+        k_scale = tl.load(kscale_ptr).to(tl.float32)
+        v_scale = tl.load(vscale_ptr).to(tl.float32)
+    if FP8_DOT:
+        # Per-row e4m3 quantization: the row's amax maps to 448 (e4m3's largest finite value).
+        amax_g = tl.maximum(tl.max(tl.abs(q_gc), axis=1), 1e-30)
+        q_mul_g = tl.math.div_rn(tl.full(amax_g.shape, 448.0, tl.float32), amax_g)
+        q_op = f32_to_e4m3(tl.minimum(tl.maximum(q_gc * q_mul_g[:, None], -448.0), 448.0), HW)
+        factor_g = tl.math.div_rn(amax_g, tl.full(amax_g.shape, 448.0, tl.float32)) * (
+            k_scale * sm_scale_log2
+        )
+    else:
+        q_op = f32_to_bf16(q_gc, HW)
+        factor_g = tl.full((G_P2,), 1.0, tl.float32) * (k_scale * sm_scale_log2)
+
+    m_g = tl.full((G_P2,), NEG_BIG, tl.float32)
+    l_g = tl.zeros((G_P2,), tl.float32)
+    acc_gc = tl.zeros((G_P2, C), tl.float32)
+    k_base = kv_ptr + (2 * pid_n) * stride_kh
+    for i in range(0, n_iter):
+        if DENSE:
+            blk = (slot0 + i).to(tl.int64)
+        else:
+            blk = tl.load(sel_ptr + pid_t * stride_st + pid_n * stride_sn + slot0 + i).to(tl.int64)
+        page = tl.load(bt_ptr + seq * stride_bb + tl.maximum(blk, 0)).to(tl.int64)
+        tok_s = blk * PAGE + offs_s
+        is_key = (tok_s <= pos) & (tok_s >= 0)  # -1 slots give negative positions: no keys
+        k_rows = k_base + page * stride_kp + offs_s * stride_ks
+        k_sc = _load_tile(k_rows, is_key, C, PAGE, FMT, FP8_DOT, HW)
+        if FP8_DOT:
+            s_gs = tl.dot(q_op, tl.trans(k_sc))
+        else:
+            s_gs = dot_bf16(q_op, tl.trans(k_sc), HW)
+        s_gs = tl.where(is_key[None, :], s_gs * factor_g[:, None], float("-inf"))
+        m_new = tl.maximum(m_g, tl.max(s_gs, axis=1))
+        alpha = tl.math.exp2(m_g - m_new)
+        p_gs = tl.math.exp2(s_gs - m_new[:, None])
+        l_g = l_g * alpha + tl.sum(p_gs, axis=1)
+        v_sc = _load_tile(k_rows + stride_kh, is_key, C, PAGE, FMT, FP8_DOT, HW)
+        if FP8_DOT:
+            pv_gc = tl.dot(f32_to_e4m3(p_gs, HW), v_sc)
+        else:
+            pv_gc = dot_bf16(f32_to_bf16(p_gs, HW), v_sc, HW)
+        acc_gc = acc_gc * alpha[:, None] + pv_gc
+        m_g = m_new
+
+    if IS_SPLIT:
+        row = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + pid_s
+        tl.store(part_ptr + (row * G_P2 + offs_g[:, None]) * C + offs_c[None, :], acc_gc)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g)
+    else:
+        out_gc = tl.where(l_g[:, None] > 0, acc_gc / tl.maximum(l_g, 1e-30)[:, None], 0.0) * v_scale
+        o_ptrs = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + offs_c[None, :]
+        tl.store(o_ptrs, out_gc.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, ml_ptr, vscale_ptr, out_ptr, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+    C: tl.constexpr, FMT: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_p = tl.arange(0, S_P2)
+    offs_g = tl.arange(0, G_P2)
+    offs_c = tl.arange(0, C)
+    is_split = offs_p < SPLITS
+    row_p = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + offs_p
+    ml = ml_ptr + (row_p[:, None] * G_P2 + offs_g[None, :]) * 2
+    m_pg = tl.load(ml, mask=is_split[:, None], other=NEG_BIG)
+    l_pg = tl.load(ml + 1, mask=is_split[:, None], other=0.0)
+    m_g = tl.max(m_pg, axis=0)
+    w_pg = tl.math.exp2(m_pg - m_g[None, :])
+    l_g = tl.sum(l_pg * w_pg, axis=0)
+    acc_ptrs = part_ptr + ((row_p[:, None, None] * G_P2 + offs_g[None, :, None]) * C + offs_c[None, None, :])
+    acc_pgc = tl.load(acc_ptrs, mask=is_split[:, None, None], other=0.0)
+    acc_gc = tl.sum(acc_pgc * w_pg[:, :, None], axis=0)
+    v_scale = 1.0
+    if FMT != 0:
+        v_scale = tl.load(vscale_ptr).to(tl.float32)
+    out_gc = tl.where(l_g[:, None] > 0, acc_gc / tl.maximum(l_g, 1e-30)[:, None], 0.0) * v_scale
+    o_ptrs = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + offs_c[None, :]
+    tl.store(o_ptrs, out_gc.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+
+
+def plan_splits(n_work: int, n_slots: int, device: torch.device) -> tuple[int, int]:
+    """(splits, blocks per split) so that n_work * splits covers PROGRAMS_PER_SM waves of SMs."""
+    target = PROGRAMS_PER_SM * num_sms(device)
+    splits = max(1, min(n_slots, -(-target // max(1, n_work))))
+    bps = -(-n_slots // splits)
+    return -(-n_slots // bps), bps
+
+
+def uses_fp8_dot(kv_dtype: str, head_dim: int, page: int) -> bool:
+    """FP8 dots for FP8 / NVFP4 caches when the tiles fit FP8 MMA (k >= 32 on both products)."""
+    return kv_dtype != "bf16" and head_dim >= 32 and page >= 32
+
+
+def sparse_attention_triton(
+    q_THC: torch.Tensor, kv_cache: PagedKV, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor,
+    positions_T: torch.Tensor, selected_TNK: torch.Tensor | None, *, softmax_scale: float,
+    force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs."""
+    T, H, C = q_THC.shape
+    pages = kv_cache.pages
+    N, page = pages.shape[1] // 2, pages.shape[2]
+    G = H // N
+    if out_THC is None:
+        out_THC = torch.empty_like(q_THC)
+    if T == 0:
+        return out_THC
+    is_dense = selected_TNK is None
+    n_slots = block_tables_BP.shape[1] if is_dense else selected_TNK.shape[2]
+    splits, bps = plan_splits(T * N, max(1, n_slots), q_THC.device)
+    g_p2 = max(16, triton.next_power_of_2(G))
+    fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
+    fmt = _FMT[kv_cache.dtype]
+    if splits > 1:
+        part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
+        ml = torch.empty((T * N * splits * g_p2 * 2,), dtype=torch.float32, device=q_THC.device)
+    else:
+        part = ml = out_THC  # unused
+    sel = selected_TNK if selected_TNK is not None else block_tables_BP
+    sel_strides = (0, 0) if is_dense else (selected_TNK.stride(0), selected_TNK.stride(1))
+    _sparse_attn_kernel[(T, N, splits)](
+        q_THC, q_THC.stride(0), q_THC.stride(1),
+        pages, pages.stride(0), pages.stride(1), pages.stride(2),
+        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T,
+        sel, *sel_strides,
+        kv_cache.k_scale, kv_cache.v_scale, softmax_scale * LOG2E,
+        out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
+        n_slots, bps, splits,
+        G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
+        IS_SPLIT=splits > 1, HW=use_hw_casts(),
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(T, N)](
+            part, ml, kv_cache.v_scale, out_THC, out_THC.stride(0), out_THC.stride(1),
+            SPLITS=splits, S_P2=triton.next_power_of_2(splits), G=G, G_P2=g_p2, C=C, FMT=fmt,
+        )  # fmt: skip
+    return out_THC
+
+
+def triton_attention_supported(q_THC: torch.Tensor, kv_cache: PagedKV) -> bool:
+    """Shapes and dtypes the kernel handles (else the torch path): a power-of-two head dim >= 16,
+    page >= 16, a bf16 / fp8 / NVFP4 cache (fp32 caches stay on the exact torch path)."""
+    C, page = q_THC.shape[-1], kv_cache.pages.shape[2]
+    is_pow2 = C >= 16 and C & (C - 1) == 0 and page >= 16 and page & (page - 1) == 0
+    # NVFP4 pages through bf16 dots (tiles too small for FP8 MMA) gave wrong results compiled on the
+    # H200 (Triton 3.6; correct in the interpreter): keep that combination on the torch path on CUDA.
+    if (
+        q_THC.is_cuda
+        and kv_cache.dtype in ("nvfp4", "nvfp4_4over6")
+        and not uses_fp8_dot(kv_cache.dtype, C, page)
+    ):
+        return False
+    return is_pow2 and kv_cache.dtype in _FMT and kv_cache.pages.is_contiguous() and q_THC.stride(-1) == 1
+
+
+def fp8_emulated(q_THC: torch.Tensor, kv_cache: PagedKV) -> tuple[torch.Tensor, PagedKV]:
+    """The FP8 path's inputs as exact fp32 values, for `sparse_attention_ref`: q rows rounded to e4m3
+    with scale amax / 448, pages replaced by fp32 pages of the FP8 tiles times the global scales."""
+    q = q_THC.float()
+    amax = q.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    q8 = (q * (torch.tensor(448.0) / amax)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q_emul = q8.float() * (amax / torch.tensor(448.0))
+    pages = kv_cache.pages
+    if kv_cache.dtype == "fp8":
+        vals = pages.view(torch.float8_e4m3fn).float()
+    else:
+        vals, _ = nvfp4.kv_dequantize_fp8(pages, 1.0)
+        vals = vals.float()
+    scale = torch.stack([kv_cache.k_scale, kv_cache.v_scale]).repeat(pages.shape[1] // 2)
+    emul = PagedKV((vals * scale[None, :, None, None]).contiguous(), "fp32", kv_cache.k_scale,
+                   kv_cache.v_scale, kv_cache.head_dim)  # fmt: skip
+    return q_emul, emul
+
+
+@triton.jit
+def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    is_row = offs_r < n_rows
+    fp8_rc = nvfp4_tile_to_fp8(buf_ptr + offs_r.to(tl.int64) * (C // 2 + C // 16), is_row, C, ROWS, HW)
+    offs_c = tl.arange(0, C)
+    out_ptrs = out_ptr + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
+    tl.store(out_ptrs, fp8_rc.to(tl.uint8, bitcast=True), mask=is_row[:, None])
+
+
+def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor) -> torch.Tensor:
+    """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
+    (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit)."""
+    R, X = buf_RX.shape
+    C = X * 16 // 9
+    out = torch.empty((R, C), dtype=torch.uint8, device=buf_RX.device)
+    _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts())
+    return out.view(torch.float8_e4m3fn)

@@ -1,0 +1,411 @@
+"""Equivalence checks of the Triton decode kernels against their torch references.
+
+Run in a subprocess with TRITON_INTERPRET=1 by tests/model/test_kernels_*.py (CPU), so the
+interpreter flag never leaks into the rest of the test session (Triton picks interpreter vs compiled
+kernels when a kernel module is imported), and in-process on CUDA by the gpu-marked tests.
+`python -m tests.model.kernel_cases GROUP` prints {check name: [ok, message]} as one JSON line.
+
+Every check uses random data, ragged sequence lengths, several shapes, and outputs poisoned
+(NaN or an impossible id) beforehand, so a missed write fails.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+GROUPS = {
+    "append": [
+        "append_bytes_equal_kv_quantize",
+        "kvcache_append_nvfp4_equals_torch_path",
+        "fp8_dequant_bit_exact",
+    ],
+    "indexer": [
+        "indexer_selects_like_reference",
+        "indexer_scores_match_reference",
+        "indexer_batch1_split_context",
+    ],
+    "attention": [
+        "attention_bf16_matches_reference",
+        "attention_fp8_matches_emulated_reference",
+        "attention_empty_selection_gives_zeros",
+    ],
+    "moe": ["moe_matches_reference", "moe_large_groups_match_reference", "linear_and_shared_expert_match"],
+}
+
+
+def _ragged_tables(lens, page, width, gen):
+    """Block tables [B, width] (int32, -1 padded) over shuffled pages, and the page count."""
+    n_pages = sum(-(-n // page) for n in lens) + 3
+    perm = torch.randperm(n_pages, generator=gen)
+    table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(lens):
+        k = -(-n // page)
+        table[b, :k] = perm[i : i + k].int()
+        i += k
+    return table, n_pages
+
+
+def _rows(lens, rows_per, gen):
+    """(seq_idx_T, positions_T): `rows_per` query rows per sequence at its last positions (verify-style)."""
+    seq, pos = [], []
+    for b, n in enumerate(lens):
+        for r in range(rows_per):
+            seq.append(b)
+            pos.append(max(n - 1 - r, 0))
+    return torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------ append
+def append_bytes_equal_kv_quantize(device):
+    from model.kernels.triton_kv_append import nvfp4_append, nvfp4_append_ref
+
+    gen = torch.Generator().manual_seed(1)
+    for C, N, T, n_pages, page, x_dtype, paged_kv in [
+        (128, 4, 9, 5, 16, torch.bfloat16, True),
+        (32, 2, 7, 4, 16, torch.float32, True),
+        (48, 1, 5, 3, 8, torch.bfloat16, False),
+    ]:
+        x = (torch.randn(T, N, C, generator=gen) * torch.exp(torch.randn(T, N, 1, generator=gen))).to(x_dtype)
+        x[0, 0, :16] = 0  # an all-zero block: scale 0, codes 0
+        x[1, 0, 0] = 1e4  # a saturating value
+        slots = torch.randperm(n_pages * page, generator=gen)[:T]
+        scale = torch.tensor(0.0071)
+        shape = (n_pages, 2 * N, page, C // 2 + C // 16) if paged_kv else (n_pages, page, C // 2 + C // 16)
+        got = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        want = got.clone()
+        side = (2, 1) if paged_kv else (1, 0)
+        nvfp4_append(x.to(device), slots.to(device), scale.to(device), (got := got.to(device)), *side)
+        nvfp4_append_ref(x, slots, scale, want, *side)
+        if not torch.equal(got.cpu(), want):
+            n_bad = int((got.cpu() != want).sum())
+            return False, f"C={C} N={N}: {n_bad} bytes differ from kv_quantize"
+    return True, ""
+
+
+def kvcache_append_nvfp4_equals_torch_path(device):
+    from model import nvfp4
+    from model.config import ModelConfig
+    from model.kv_cache import KVCache
+
+    cfg = ModelConfig.preset("tiny")
+    cache = KVCache(cfg, num_pages=6, device=device, dtype="nvfp4", index_dtype="nvfp4")
+    cache.set_scales(1, 0.01, 0.02, 0.03)
+    T, N, C = 5, cfg.num_key_value_heads, cfg.head_dim
+    k, v = torch.randn(T, N, C), torch.randn(T, N, C)
+    idx = torch.randn(T, cfg.index_head_dim)
+    slots = torch.tensor([0, 17, 18, 40, 95])
+    cache.append(1, slots.to(device), k.to(device), v.to(device), idx.to(device))
+    page, off = slots // cache.page_size, slots % cache.page_size
+    kv = cache.kv[1].cpu()
+    ok = True
+    want_k = nvfp4.kv_quantize(k, 0.01, check_finite=False)
+    want_v = nvfp4.kv_quantize(v, 0.02, check_finite=False)
+    want_i = nvfp4.kv_quantize(idx, 0.03, check_finite=False)
+    for n in range(N):
+        ok &= torch.equal(kv[page, 2 * n, off], want_k[:, n]) and torch.equal(
+            kv[page, 2 * n + 1, off], want_v[:, n]
+        )
+    ok &= torch.equal(cache.index[1].cpu()[page, off], want_i)
+    return bool(ok), "" if ok else "KVCache.append bytes differ from nvfp4.kv_quantize"
+
+
+def fp8_dequant_bit_exact(device):
+    from model import nvfp4
+    from model.kernels.triton_sparse_attention import nvfp4_rows_to_fp8_triton
+
+    gen = torch.Generator().manual_seed(2)
+    for C, R in [(128, 37), (32, 20)]:
+        x = torch.randn(R, C, generator=gen) * torch.exp(2 * torch.randn(R, 1, generator=gen))
+        for scale in (float(x.abs().max()) / 448, float(x.abs().max()) / 2688, 1.0):  # incl. saturation
+            buf = nvfp4.kv_quantize(x, scale, check_finite=False)
+            want, _ = nvfp4.kv_dequantize_fp8(buf, scale)
+            got = nvfp4_rows_to_fp8_triton(buf.to(device)).cpu()
+            if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                return (
+                    False,
+                    f"C={C} scale={scale}: {int((got.view(torch.uint8) != want.view(torch.uint8)).sum())}",
+                )
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------ indexer
+def _index_problem(dtype, C, page, lens, width, rows_per, gen, device, N=2):
+    from model.kv_cache import PagedIndex, quantize_kv
+
+    table, n_pages = _ragged_tables(lens, page, width, gen)
+    keys = torch.randn(n_pages, page, 1, C, generator=gen)
+    scale = torch.tensor(float(keys.abs().max()) / 448)
+    pages = quantize_kv(keys, dtype, scale)[:, :, 0].contiguous()
+    seq, pos = _rows(lens, rows_per, gen)
+    q = torch.randn(len(seq), N, C, generator=gen).to(torch.bfloat16)
+    cpu = (q, PagedIndex(pages, dtype, scale, C), table, seq, pos, torch.tensor(lens))
+    dev = (q.to(device), PagedIndex(pages.to(device), dtype, scale.to(device), C), table.to(device),
+           seq.to(device), pos.to(device), torch.tensor(lens, device=device))  # fmt: skip
+    return cpu, dev
+
+
+def indexer_selects_like_reference(device):
+    from model.kernels.indexer import index_select_blocks, index_select_blocks_ref
+    from model.kernels.triton_indexer import index_select_blocks_triton
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in ("nvfp4", "fp8", "bf16"):
+        for C, page, lens, width, topk, local, init in [
+            (32, 16, [5, 70, 33, 120], 8, 3, 1, 0),
+            (64, 16, [100, 17, 64], 8, 4, 2, 1),
+        ]:
+            cpu, dev = _index_problem(dtype, C, page, lens, width, 2, gen, device)
+            kw = dict(topk=topk, local_blocks=local, init_blocks=init)
+            want = index_select_blocks_ref(*cpu, **kw)
+            q, ic, table, seq, pos, _ = dev
+            poison = torch.full_like(want, -7).to(device)
+            got = index_select_blocks_triton(
+                q, ic.pages, ic.dtype, ic.scale, table, seq, pos, **kw, out_TNK=poison
+            )
+            if not torch.equal(got.cpu(), want):
+                return False, f"{dtype} C={C}: selection differs\n{got.cpu()}\n{want}"
+            if not torch.equal(index_select_blocks(*dev, **kw).cpu(), want):  # the dispatch point
+                return False, f"{dtype} C={C}: index_select_blocks dispatch differs"
+    return True, ""
+
+
+def indexer_scores_match_reference(device):
+    from model.kernels.triton_indexer import index_block_scores_triton
+    from model.kv_cache import dequantize_kv, gather_pages
+
+    gen = torch.Generator().manual_seed(4)
+    for dtype in ("nvfp4", "fp8", "bf16"):
+        cpu, dev = _index_problem(dtype, 32, 16, [70, 9], 6, 1, gen, device)
+        q, ic, table, seq, pos, _lens = cpu
+        got = index_block_scores_triton(dev[0], dev[1].pages, dtype, dev[1].scale, *dev[2:5]).cpu()
+        for t in range(len(seq)):
+            b, p = int(seq[t]), int(pos[t])
+            keys = dequantize_kv(gather_pages(ic.pages, table[b], p + 1)[:, None], dtype, ic.scale, 32)[:, 0]
+            s = q[t].float() @ keys.T
+            nb = p // 16 + 1
+            s = torch.nn.functional.pad(s, (0, nb * 16 - p - 1), value=float("-inf"))
+            want = s.view(-1, nb, 16).amax(-1)
+            if not torch.allclose(got[t, :, :nb], want, rtol=1e-5, atol=1e-5):
+                return False, f"{dtype} row {t}: scores {got[t, :, :nb]} vs {want}"
+    return True, ""
+
+
+def indexer_batch1_split_context(device):
+    from model.kernels.indexer import index_select_blocks_ref
+    from model.kernels.triton_indexer import index_select_blocks_triton, plan_splits
+
+    gen = torch.Generator().manual_seed(5)
+    splits, _ = plan_splits(1, 32, torch.device(device))
+    if splits < 2:
+        return False, f"batch 1 must split the context, got {splits} split(s)"
+    cpu, dev = _index_problem("nvfp4", 32, 16, [500], 32, 1, gen, device)
+    kw = dict(topk=5, local_blocks=1, init_blocks=1)
+    want = index_select_blocks_ref(*cpu, **kw)
+    q, ic, table, seq, pos, _ = dev
+    got = index_select_blocks_triton(q, ic.pages, ic.dtype, ic.scale, table, seq, pos, **kw)
+    return bool(torch.equal(got.cpu(), want)), f"{got.cpu()} vs {want}"
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False):
+    from model.kv_cache import PagedKV, quantize_kv
+
+    table, n_pages = _ragged_tables(lens, page, width, gen)
+    k = torch.randn(n_pages, page, N, C, generator=gen) * 2
+    v = torch.randn(n_pages, page, N, C, generator=gen)
+    ks, vs = torch.tensor(float(k.abs().max()) / 448), torch.tensor(float(v.abs().max()) / 448)
+    stored = torch.stack([quantize_kv(k, dtype, ks), quantize_kv(v, dtype, vs)], dim=3)
+    pages = stored.reshape(n_pages, page, 2 * N, -1).transpose(1, 2).contiguous()  # [P, 2N, page, X]
+    seq, pos = _rows(lens, rows_per, gen)
+    T = len(seq)
+    q = torch.randn(T, N * G, C, generator=gen).to(torch.bfloat16)
+    sel = torch.full((T, N, K), -1, dtype=torch.long)
+    for t in range(T):
+        nb = int(pos[t]) // page + 1
+        for n in range(N):
+            pick = torch.randperm(nb, generator=gen)[:K]
+            sel[t, n, : len(pick)] = pick
+    if empty_row:
+        sel[0, 0] = -1
+    kv = PagedKV(pages, dtype, ks, vs, C)
+    cpu = (q, kv, table, seq, pos, torch.tensor(lens), sel)
+    kv_dev = PagedKV(pages.to(device), dtype, ks.to(device), vs.to(device), C)
+    dev = (q.to(device), kv_dev, table.to(device), seq.to(device), pos.to(device), None, sel.to(device))
+    return cpu, dev
+
+
+def _run_attention(dev, sel, *, force_bf16_dot=False):
+    from model.kernels.triton_sparse_attention import sparse_attention_triton
+
+    q, kv, table, seq, pos, _, _ = dev
+    C = q.shape[-1]
+    poison = torch.full_like(q, float("nan"))
+    return sparse_attention_triton(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5,
+                                   force_bf16_dot=force_bf16_dot, out_THC=poison).float().cpu()  # fmt: skip
+
+
+_ATTN_SHAPES = [  # N, G, C, page, lens, width, K, rows_per (small T forces split-K + merge)
+    (2, 4, 32, 16, [5, 70, 33], 6, 3, 2),
+    (1, 16, 64, 32, [100, 17], 4, 2, 1),
+    (2, 8, 32, 16, [40, 90, 12, 77, 50, 33], 6, 2, 3),
+]
+
+
+def attention_bf16_matches_reference(device):
+    from model.kernels.sparse_attention import sparse_attention, sparse_attention_ref
+
+    gen = torch.Generator().manual_seed(6)
+    for dtype in ("bf16", "fp8", "nvfp4"):
+        for N, G, C, page, lens, width, K, rows in _ATTN_SHAPES:
+            cpu, dev = _attn_problem(dtype, N, G, C, page, lens, width, K, rows, gen, device)
+            for is_dense in (False, True):
+                sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
+                want = sparse_attention_ref(*cpu[:6], sel_c, softmax_scale=C**-0.5).float()
+                got = _run_attention(dev, sel_d, force_bf16_dot=True)
+                err = (got - want).abs().max().item()
+                if not err <= 0.02 * want.abs().max().item():  # bf16 rounding of q, P and the output
+                    return False, f"{dtype} N={N} G={G} C={C} dense={is_dense}: max err {err}"
+        if dtype == "bf16":  # the dispatch point takes the same kernel
+            got = sparse_attention(*dev[:5], torch.tensor(lens, device=device), dev[6], softmax_scale=C**-0.5)
+            want = sparse_attention_ref(*cpu, softmax_scale=C**-0.5)
+            if not (got.float().cpu() - want.float()).abs().max() <= 0.02 * want.abs().max():
+                return False, "sparse_attention dispatch differs from the reference"
+    return True, ""
+
+
+def attention_fp8_matches_emulated_reference(device):
+    from model.kernels.sparse_attention import sparse_attention_ref
+    from model.kernels.triton_sparse_attention import fp8_emulated, uses_fp8_dot
+
+    gen = torch.Generator().manual_seed(7)
+    for dtype in ("fp8", "nvfp4"):
+        for N, G, C, page, lens, width, K, rows in [(1, 16, 64, 32, [100, 17], 4, 2, 1),
+                                                   (2, 4, 32, 32, [70, 150, 5], 5, 3, 2)]:  # fmt: skip
+            assert uses_fp8_dot(dtype, C, page)
+            cpu, dev = _attn_problem(dtype, N, G, C, page, lens, width, K, rows, gen, device)
+            q_emul, kv_emul = fp8_emulated(cpu[0], cpu[1])
+            for is_dense in (False, True):
+                sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
+                want = sparse_attention_ref(q_emul, kv_emul, *cpu[2:6], sel_c, softmax_scale=C**-0.5).float()
+                got = _run_attention(dev, sel_d)
+                err = (got - want).abs().max().item()
+                # Left: P rounded to e4m3 (relative 2^-4 per weight) and bf16 output rounding.
+                if not err <= 0.04 * want.abs().max().item():
+                    return False, f"{dtype} N={N} C={C} dense={is_dense}: max err {err} vs {want.abs().max()}"
+    return True, ""
+
+
+def attention_empty_selection_gives_zeros(device):
+    gen = torch.Generator().manual_seed(8)
+    for dtype in ("nvfp4", "bf16"):
+        _, dev = _attn_problem(dtype, 2, 4, 32, 16, [70, 33], 6, 3, 2, gen, device, empty_row=True)
+        got = _run_attention(dev, dev[6])
+        if not (torch.equal(got[0, :4], torch.zeros_like(got[0, :4])) and torch.isfinite(got).all()):
+            return False, f"{dtype}: group with no selected block must give zeros, got {got[0, :4]}"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------ moe
+def _bank(E, D, F, seed, device):
+    from model.layers.moe import ExpertBank
+
+    return ExpertBank(E, D, F, "nvfp4").init_normal_(0.05, torch.Generator().manual_seed(seed)).to(device)
+
+
+def _parts(bank, p):
+    return (
+        getattr(bank, f"{p}_weight"),
+        getattr(bank, f"{p}_weight_scale"),
+        getattr(bank, f"{p}_weight_scale_2"),
+    )
+
+
+def _moe_check(E, D, F, T, K, seed, device):
+    from model.kernels.moe import moe_experts, moe_experts_ref
+    from model.kernels.triton_moe import moe_nvfp4_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    bank = _bank(E, D, F, seed, device)
+    x = torch.randn(T, D, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=gen)
+    x, ids, w = x.to(device), ids.to(device), w.to(device)
+    want = moe_experts_ref(x, ids, w, bank).float().cpu()
+    poison = torch.full_like(x, float("nan"))
+    parts = [_parts(bank, p) for p in ("w1", "w3", "w2")]
+    kw = dict(swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit)
+    got = moe_nvfp4_triton(x, ids, w, *parts, **kw, out_TD=poison)
+    tol = 0.02 * want.abs().max().item()  # bf16 rounding of gate/up/act/output
+    err = (got.float().cpu() - want).abs().max().item()
+    if not err <= tol:
+        return False, f"E={E} D={D} F={F} T={T} K={K}: max err {err} > {tol}"
+    with torch.no_grad():
+        err = (moe_experts(x, ids, w, bank).float().cpu() - want).abs().max().item()
+    if not err <= tol:
+        return False, f"moe_experts dispatch: max err {err} > {tol}"
+    return True, ""
+
+
+def moe_matches_reference(device):
+    for E, D, F, T, K, seed in [(8, 128, 64, 5, 2, 0), (4, 64, 256, 3, 3, 1), (16, 256, 128, 1, 4, 2)]:
+        ok, msg = _moe_check(E, D, F, T, K, seed, device)
+        if not ok:
+            return ok, msg
+    return True, ""
+
+
+def moe_large_groups_match_reference(device):
+    return _moe_check(2, 64, 64, 40, 2, 3, device)  # ~40 tokens per expert: 3 row blocks each
+
+
+def linear_and_shared_expert_match(device):
+    from model.kernels.moe import swigluoai
+    from model.kernels.nvfp4_linear import nvfp4_linear_ref
+    from model.kernels.triton_moe import nvfp4_linear_triton, nvfp4_mlp_triton
+
+    bank = _bank(1, 128, 64, 4, device)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(device)
+    got = nvfp4_linear_triton(x, bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])
+    want = nvfp4_linear_ref(x, bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])
+    if not torch.equal(got.cpu(), want.cpu()):  # same bf16 weights, one bf16 dot, one rounding
+        err = (got.float() - want.float()).abs().max().item()
+        if err > 1e-2 * want.abs().max().item():
+            return False, f"nvfp4_linear_triton: max err {err}"
+    parts = [(p[0], s[0], c[0]) for p, s, c in (_parts(bank, n) for n in ("w1", "w3", "w2"))]
+    got = nvfp4_mlp_triton(x, *parts, swiglu_alpha=1.702, swiglu_limit=7.0).float().cpu()
+    d1, d3, d2 = bank.dequantized(0, torch.bfloat16)
+    want = (swigluoai(x @ d1.T, x @ d3.T, 1.702, 7.0) @ d2.T).float().cpu()
+    err = (got - want).abs().max().item()
+    return err <= 0.02 * want.abs().max().item(), f"shared expert: max err {err}"
+
+
+def run_interpreted(group: str, timeout_s: float = 300.0) -> dict[str, list]:
+    """Run one group on the CPU under TRITON_INTERPRET=1 in a fresh interpreter process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.model.kernel_cases", group], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"kernel_cases {group} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_group(group: str, device: str = "cpu", only: str | None = None) -> dict[str, list]:
+    out = {}
+    for name in GROUPS[group] if only is None else [only]:
+        try:
+            ok, msg = globals()[name](device)
+        except Exception as exc:  # reported to the parent test with its message
+            ok, msg = False, f"{type(exc).__name__}: {exc}"
+        out[name] = [bool(ok), "" if ok else str(msg)[:2000]]
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(run_group(sys.argv[1])))
