@@ -119,8 +119,9 @@ class Completion:
     queue_s: float = 0.0  # request added -> first scheduled
     ttft_s: float = 0.0  # request added -> first token sampled
     e2e_s: float = 0.0  # request added -> finished
-    spec_drafted: int = 0  # speculative decoding: draft tokens proposed / accepted (0 without)
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified / accepted (0 without)
     spec_accepted: int = 0
+    spec_steps: int = 0  # verification passes of this sample (each emits accepted + 1 tokens)
 
     @property
     def adapter_version(self) -> int:
@@ -140,10 +141,21 @@ class EngineStats:
     pages_total: int = 0
     step_time_s: float = 0.0
     adapter_version: int = 0
+    # Speculative decoding (0 without): verification passes (one per sequence per step), draft
+    # tokens verified / accepted in them, and the time spent in the drafter.
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    draft_time_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_generated / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def spec_accept_len(self) -> float:
+        """Mean tokens emitted per verification pass (accepted drafts + the resampled/bonus one)."""
+        return (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
 
 class Engine(Protocol):

@@ -19,7 +19,18 @@ one; every sampled token records the version it was sampled under.
 Prefix pages are keyed by adapter version: siblings share a leader's prompt pages only if the
 adapter did not change since the leader's prefill began; otherwise they prefill afresh.
 
-Host syncs: one per step (`# SYNC` below), to hand sampled ids to the scheduler.
+Speculative decoding (DSpark, optional: `drafter=`, `spec=`): every decoding sequence drafts a
+block (rollout/dspark/proposer.py); the step's one target pass runs [anchor, k drafts] for each of
+them beside the prefill chunks (drafts ride on top of `max_batch_tokens`, at most k per sequence,
+and take pages only if free: they never preempt); rollout/dspark/verify.py accepts a prefix
+losslessly and adds one target token; `Scheduler.rollback` shortens the sequence to the kept
+tokens and frees pages past the next slot. Target KV, index keys and the drafter's context are
+all per-token entries, so the kept prefix is exactly what a run without the rejected drafts
+wrote (tested, fp32 and NVFP4 caches). Log-probs are the target's; greedy output equals the
+plain engine's token for token.
+
+Host syncs: one per step (`# SYNC` below), to hand sampled ids to the scheduler (with
+speculation also one for the accepted lengths, and in scheduled mode one for the lengths to verify).
 
 Legend: T flattened tokens of the step, B sequences in the step (after the forward: rows being
 sampled), P block-table width, V vocab.
@@ -29,13 +40,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Completion, EngineStats, Request
 from rollout.native import sampler
-from rollout.native.scheduler import Group, Scheduler, Sequence, TokenCallback
+from rollout.native.scheduler import Group, ScheduledChunk, Scheduler, Sequence, TokenCallback
+
+if TYPE_CHECKING:
+    from rollout.dspark.model import Draft, Drafter
+    from rollout.dspark.schedule import SpecConfig
 
 
 class NativeEngine:
@@ -43,7 +59,9 @@ class NativeEngine:
 
     kv_dtype / index_dtype override the config's cache dtypes ("fp32", "bf16", "fp8", "nvfp4");
     `detokenize(token_ids) -> str` is needed only for stop strings; `seed` seeds the generator
-    that draws seeds for requests that bring none.
+    that draws seeds for requests that bring none. `drafter` (a bound or unbound
+    rollout.dspark.Drafter) turns on DSpark speculation with `spec` settings (default: fixed,
+    the drafter's block size); scheduled mode profiles the step cost once, here.
     """
 
     def __init__(
@@ -56,6 +74,8 @@ class NativeEngine:
         index_dtype: str | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         seed: int = 0,
+        drafter: Drafter | None = None,
+        spec: SpecConfig | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -69,6 +89,16 @@ class NativeEngine:
         self._next_request = 0
         self._active: dict[str, int] = {}  # request id -> samples not finished yet
         self._stats = EngineStats(pages_total=max_pages)
+        self.proposer = None
+        if drafter is not None:
+            from rollout.dspark.proposer import Proposer
+            from rollout.dspark.schedule import SpecConfig
+
+            self.proposer = Proposer(drafter, spec or SpecConfig(), model, self.cache)
+            if self.proposer.spec.mode == "scheduled":
+                self.proposer.profile(self.cache, max_num_seqs, max_batch_tokens)
+        elif spec is not None:
+            raise ValueError("spec settings need a drafter: pass drafter=... (rollout.dspark.load_drafter)")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, on_token: TokenCallback | None = None) -> str:
@@ -147,36 +177,53 @@ class NativeEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("no sequence could be scheduled: the cache is too small for any of them")
+        dev = self.device
+        draft, spec_chunks, num_verify = self._draft(chunks) if self.proposer is not None else (None, [], [])
+        verify_of = {id(ch): (j, k) for j, (ch, k) in enumerate(zip(spec_chunks, num_verify))}
         ids, pos, seq_idx, tables, lens, sample_rows = [], [], [], [], [], []
+        spec_rows: list[list[int]] = []  # per speculating chunk: its k + 1 logits rows
+        draft_at, draft_src = [], []  # flattened positions that take a drafted token, (row, k) they take
         for b, ch in enumerate(chunks):
             s = ch.seq
+            j, k = verify_of.get(id(ch), (-1, 0))
             start, stop = s.num_computed, s.num_computed + ch.num_new
-            ids += s.token_slice(start, stop)
-            pos += range(start, stop)
-            seq_idx += [b] * ch.num_new
+            first = len(ids)
+            ids += s.token_slice(start, stop) + [0] * k
+            pos += range(start, stop + k)
+            seq_idx += [b] * (ch.num_new + k)
             tables.append(s.block_table)
-            lens.append(stop)
-            if ch.samples:
+            lens.append(stop + k)
+            if j >= 0:
+                spec_rows.append(list(range(len(ids) - k - 1, len(ids))))
+                draft_at += range(first + 1, first + 1 + k)
+                draft_src += [(j, i) for i in range(k)]
+            elif ch.samples:
                 sample_rows.append(len(ids) - 1)
             if start == 0:
                 s.kv_version = self.adapter_version
             is_decode = ch.num_new == 1 and bool(s.output)
             self._stats.prefill_tokens += 0 if is_decode else ch.num_new
         width = max(len(t) for t in tables)
-        dev = self.device
         table_BP = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        logits_BV = self.model.forward_cached(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            torch.tensor(seq_idx, dtype=torch.long, device=dev),
-            self.cache,
-            table_BP,
-            torch.tensor(lens, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        ids_T = torch.tensor(ids, dtype=torch.long, device=dev)
+        if draft_at:
+            src = torch.tensor(draft_src, dtype=torch.long, device=dev)
+            ids_T[torch.tensor(draft_at, dtype=torch.long, device=dev)] = draft.tokens_BN[
+                src[:, 0], src[:, 1]
+            ]
+        logits_rows = torch.tensor(
+            sample_rows + [r for rows in spec_rows for r in rows], dtype=torch.long, device=dev
         )
-        sampling = [ch.seq for ch in chunks if ch.samples]
+        args = (ids_T, torch.tensor(pos, dtype=torch.long, device=dev),
+                torch.tensor(seq_idx, dtype=torch.long, device=dev), self.cache, table_BP,
+                torch.tensor(lens, dtype=torch.long, device=dev))  # fmt: skip
+        if self.proposer is not None:
+            logits_RV = self.proposer.forward(*args, logits_indices=logits_rows)
+        else:
+            logits_RV = self.model.forward_cached(*args, logits_indices=logits_rows)
+        sampling = [ch.seq for ch in chunks if ch.samples and id(ch) not in verify_of]
         for ch in chunks:
-            ch.seq.num_computed += ch.num_new
+            ch.seq.num_computed += ch.num_new + verify_of.get(id(ch), (-1, 0))[1]
 
         # Rows to sample: each finishing chunk, plus the siblings forking off a leader's prompt,
         # which sample their first token from the leader's logits row.
@@ -189,19 +236,113 @@ class NativeEngine:
                 forked, src, dst = self.scheduler.fork(seq, share=fresh)
                 if src:
                     self.cache.copy_pages(src, dst)
+                    if self.proposer is not None:
+                        self.proposer.cache.copy_pages(src, dst)
                 rows += [j] * len(forked)
                 seqs += forked
         finished = []
         if rows:
             finished = self._sample_and_update(
-                logits_BV[torch.tensor(rows, dtype=torch.long, device=dev)], seqs
+                logits_RV[torch.tensor(rows, dtype=torch.long, device=dev)], seqs
             )
+        if spec_chunks:
+            spec_logits = logits_RV[len(sample_rows) :]
+            finished += self._verify_and_update(
+                spec_logits, draft, [ch.seq for ch in spec_chunks], num_verify
+            )
+        self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
         self._stats.steps += 1
         self._stats.step_time_s += time.perf_counter() - t0
         return finished
 
-    def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> list[Completion]:
+    # ------------------------------------------------------------------ speculation
+    def _draft(self, chunks: list[ScheduledChunk]) -> tuple[Draft | None, list[ScheduledChunk], list[int]]:
+        """Draft a block for every decoding sequence, choose how many drafts each verifies and get
+        pages for them. Returns (draft, speculating chunks, drafts verified per chunk); draft row j
+        belongs to speculating chunk j."""
+        t0 = time.perf_counter()
+        cands, caps = [], []
+        max_pos = self.config.max_position_embeddings
+        for ch in chunks:
+            s = ch.seq
+            if ch.num_new != 1 or not ch.samples or not s.output:
+                continue  # prefill chunks and first tokens sample as usual
+            # k drafts emit up to k + 1 tokens; the last position run is num_computed + k.
+            cap = min(self.proposer.num_verify, s.group.request.params.max_tokens - len(s.output) - 1,
+                      max_pos - 1 - s.num_computed)  # fmt: skip
+            if cap > 0:
+                cands.append(ch)
+                caps.append(cap)
+        if not cands:
+            return None, [], []
+        dev = self.device
+        seqs = [ch.seq for ch in cands]
+        width = max(len(s.block_table) for s in seqs)
+        table_BP = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                dtype=torch.long, device=dev)  # fmt: skip
+        draft = self.proposer.draft(seqs, table_BP)
+        base_tokens = sum(ch.num_new for ch in chunks)
+        extra_value = sum(1 for ch in chunks if ch.samples)
+        num_verify = self.proposer.choose(draft, caps, base_tokens, extra_value)
+        for j, s in enumerate(seqs):  # drafts are optional: verify fewer if pages are short
+            k = num_verify[j]
+            while k > 0 and not self.scheduler.reserve(s, s.num_computed + 1 + k):
+                k = min(k - 1, len(s.block_table) * self.scheduler.page_size - s.num_computed - 1)
+            num_verify[j] = max(k, 0)
+        self._stats.draft_time_s += time.perf_counter() - t0
+        return draft, cands, num_verify
+
+    def _verify_and_update(
+        self, logits_RV: torch.Tensor, draft: Draft, seqs: list[Sequence], num_verify: list[int]
+    ) -> list[Completion]:
+        """Accept drafts losslessly (rollout/dspark/verify.py), roll back the rejected ones' cache
+        entries, emit the accepted tokens plus one from the target."""
+        from rollout.dspark.verify import verify
+
+        dev = self.device
+        K = max(num_verify)
+        row_BK1, r = [], 0
+        for k in num_verify:  # pad each request to K + 1 rows with its last row (ignored)
+            row_BK1.append([r + min(i, k) for i in range(K + 1)])
+            r += k + 1
+        logits_BK1V = logits_RV[torch.tensor(row_BK1, dtype=torch.long, device=dev)]
         params = [s.group.request.params for s in seqs]
+        res = verify(
+            logits_BK1V,
+            draft.tokens_BN[:, :K],
+            None if draft.probs_BNV is None else draft.probs_BNV[:, :K],
+            torch.tensor(num_verify, dtype=torch.long, device=dev),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            [s.generator for s in seqs],
+            **self._truncation(params),
+        )
+        # SYNC: the scheduler needs the accepted lengths and the ids.
+        accepted, tokens, logprobs = (
+            res.num_accepted_B.tolist(),
+            res.tokens_BK1.tolist(),
+            res.logprobs_BK1.tolist(),
+        )
+        now, finished = time.perf_counter(), []
+        st = self._stats
+        for s, k, m, toks, lps in zip(seqs, num_verify, accepted, tokens, logprobs):
+            # Ran anchor + k drafts; keep anchor + m accepted (the new token is not cached yet).
+            self.scheduler.rollback(s, s.num_computed - k + m)
+            s.spec_steps += 1
+            s.spec_drafted += k
+            s.spec_accepted += m
+            st.spec_steps, st.spec_drafted, st.spec_accepted = (
+                st.spec_steps + 1,
+                st.spec_drafted + k,
+                st.spec_accepted + m,
+            )
+            for tok, lp in zip(toks[: m + 1], lps[: m + 1]):
+                if self._emit(s, tok, lp, now):
+                    finished.append(self._finish(s, now))
+                    break
+        return finished
+
+    def _truncation(self, params: list) -> dict[str, torch.Tensor | None]:
         dev = self.device
 
         def per_row(values, off_value, dtype):
@@ -209,35 +350,46 @@ class NativeEngine:
                 return None
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        tokens_B, logprobs_B = sampler.sample(
-            logits_BV,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            [s.generator for s in seqs],
+        return dict(
             top_k_B=per_row([p.top_k for p in params], 0, torch.long),
             top_p_B=per_row([p.top_p for p in params], 1.0, torch.float32),
             min_p_B=per_row([p.min_p for p in params], 0.0, torch.float32),
         )
+
+    # ------------------------------------------------------------------ sampling
+    def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> list[Completion]:
+        params = [s.group.request.params for s in seqs]
+        dev = self.device
+        tokens_B, logprobs_B = sampler.sample(
+            logits_BV,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            [s.generator for s in seqs],
+            **self._truncation(params),
+        )
         tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # SYNC: the scheduler needs the ids
         now = time.perf_counter()
-        finished = []
-        for s, tok, lp in zip(seqs, tokens, logprobs):
-            s.output.append(tok)
-            s.logprobs.append(lp)
-            s.adapter_versions.append(self.adapter_version)
-            if s.first_token_t is None:
-                s.first_token_t = now
-            self._stats.tokens_generated += 1
-            if s.group.on_token is not None:
-                s.group.on_token(s.sample_index, tok, lp)
-            if self._check_finished(s, tok):
-                self.scheduler.free(s)
-                self._active[s.group.request_id] -= 1
-                if not self._active[s.group.request_id]:
-                    del self._active[s.group.request_id]
-                finished.append(self._completion(s, now))
-        self._stats.preemptions = self.scheduler.num_preemptions
-        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
-        return finished
+        return [
+            self._finish(s, now) for s, tok, lp in zip(seqs, tokens, logprobs) if self._emit(s, tok, lp, now)
+        ]
+
+    def _emit(self, s: Sequence, tok: int, lp: float, now: float) -> bool:
+        """Append one sampled token to `s`; True if it finished the sequence."""
+        s.output.append(tok)
+        s.logprobs.append(lp)
+        s.adapter_versions.append(self.adapter_version)
+        if s.first_token_t is None:
+            s.first_token_t = now
+        self._stats.tokens_generated += 1
+        if s.group.on_token is not None:
+            s.group.on_token(s.sample_index, tok, lp)
+        return self._check_finished(s, tok)
+
+    def _finish(self, s: Sequence, now: float) -> Completion:
+        self.scheduler.free(s)
+        self._active[s.group.request_id] -= 1
+        if not self._active[s.group.request_id]:
+            del self._active[s.group.request_id]
+        return self._completion(s, now)
 
     def _check_finished(self, s: Sequence, token: int) -> bool:
         p = s.group.request.params
@@ -265,6 +417,9 @@ class NativeEngine:
             queue_s=(s.first_scheduled_t or now) - g.added_t,
             ttft_s=(s.first_token_t or now) - g.added_t,
             e2e_s=now - g.added_t,
+            spec_drafted=s.spec_drafted,
+            spec_accepted=s.spec_accepted,
+            spec_steps=s.spec_steps,
         )
 
     # ------------------------------------------------------------------ adapters, stats

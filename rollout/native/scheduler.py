@@ -119,6 +119,9 @@ class Sequence:
     pending_forks: list[Sequence] = field(default_factory=list)  # siblings sharing our prompt
     first_scheduled_t: float | None = None
     first_token_t: float | None = None
+    spec_steps: int = 0  # speculative decoding: verification passes, drafts verified / accepted
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -179,6 +182,23 @@ class Scheduler:
         if any(self.allocator.refcount[p] > 1 for p in seq.block_table[first_written:]):
             raise RuntimeError(f"sequence {seq.seq_id} would write a shared page")
         return True
+
+    def reserve(self, seq: Sequence, upto: int) -> bool:
+        """Pages for positions < upto beyond what `schedule` gave (speculative drafts); False
+        (nothing taken) if too few are free. Never preempts: drafts are optional."""
+        return self._ensure_pages(seq, upto)
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Keep only the first `num_computed` cached tokens of `seq` (rejected drafts): its length
+        shrinks and pages past the one holding position num_computed (the next token's slot) are
+        released. The dropped slots are stale and get overwritten (model/kv_cache.py)."""
+        if not 0 <= num_computed <= seq.num_computed:
+            raise ValueError(f"rollback to {num_computed} outside [0, {seq.num_computed}]")
+        seq.num_computed = num_computed
+        keep = num_computed // self.page_size + 1
+        if len(seq.block_table) > keep:
+            self.allocator.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.release(seq.block_table)
