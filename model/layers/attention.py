@@ -264,7 +264,7 @@ class Attention(nn.Module):
         scores_BNQS = torch.einsum("bqni,bsi->bnqs", index_q_BQNI.float(), index_k_BSI.float())
         scores_BNQS = scores_BNQS.masked_fill(~visible_BQS[:, None], float("-inf"))
         key_block_BNQS = block_BS[:, None, None, :].expand(B, N, Q, S)
-        block_scores_BNQB = torch.full((B, N, Q, NB), float("-inf"), device=scores_BNQS.device)
+        block_scores_BNQB = scores_BNQS.new_full((B, N, Q, NB), float("-inf"))
         block_scores_BNQB = block_scores_BNQB.scatter_reduce(-1, key_block_BNQS, scores_BNQS, reduce="amax")
         return select_blocks(
             block_scores_BNQB,
