@@ -1,0 +1,308 @@
+"""Scale-out benchmark: expert-parallel MoE (DEP) and decode-context-parallel (DCP) indexer and
+attention on 1 vs W ranks, tokens/s and memory per GPU, with correctness checked before timing.
+
+What it measures, per world size (each in fresh processes, one GPU per rank under NCCL, or gloo on
+the CPU):
+  - ep_moe_fwd / ep_moe_fwd_bwd: one MoE layer (NVFP4 routed experts + shared expert), every rank
+    feeding its own `--tokens` tokens (data-parallel attention: weak scaling, W x tokens per step),
+    experts sharded in contiguous ranges; forward (inference) and forward + input-gradient backward
+    (learner). Correctness: each rank's EP output vs the single-process MoE on the unsharded bank.
+  - dcp_indexer / dcp_attention / dcp_decode: one MSA layer's decode step for `--batch` sequences of
+    `--context` tokens (strong scaling: the same sequences, pages interleaved over W ranks).
+    Correctness: top-k sets identical to, and attention output within tolerance of, the single-rank
+    torch ops on the unsharded cache.
+Tokens/s counts all ranks' tokens; step time is the slowest rank's median (ranks are barrier-aligned
+before every repeat). Memory per GPU: `state_gb` = this rank's expert bank or KV + index pages,
+`peak_gb` = torch.cuda.max_memory_allocated during the timed steps (None on CPU).
+
+Note: DCP runs the batched torch path at every world size (the Triton indexer / attention kernels
+do not expose per-rank scores and LSEs yet), so its 1-vs-W ratio is a same-code scaling figure,
+not a comparison with the single-GPU Triton kernels.
+
+Usage:
+  python benchmarks/scaleout.py --device cuda --worlds 1,2 --json OUT.jsonl        (spawns ranks)
+  torchrun --nproc-per-node 2 benchmarks/scaleout.py --device cuda                  (one world)
+  python benchmarks/scaleout.py --device cpu --worlds 1,2 --preset tiny             (CPU smoke test)
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from model.config import ModelConfig
+from model.kernels.indexer import index_select_blocks_torch
+from model.kernels.sparse_attention import sparse_attention_torch
+from model.kv_cache import PagedIndex, PagedKV
+from model.layers.moe import MoE
+from model.parallel.context_parallel import (
+    DCPLayout,
+    dcp_index_select_blocks,
+    dcp_sparse_attention,
+    shard_pages,
+)
+from model.parallel.expert_parallel import ExpertParallelMoE
+from model.parallel.groups import ParallelGroups, launch_local
+
+# Shapes: M3.1-Flash's MoE layer and MSA layer (FACTS 2), and a CPU-sized twin.
+PRESETS = {
+    "m3": dict(hidden=6144, ffn=3072, experts=128, topk=4, tokens=2048, heads=64, kv_heads=4, head_dim=128,
+               page=128, topk_blocks=16, context=131072, batch=8, reps=10),
+    "tiny": dict(hidden=64, ffn=64, experts=8, topk=2, tokens=64, heads=4, kv_heads=2, head_dim=32,
+                 page=16, topk_blocks=4, context=512, batch=2, reps=3),
+}  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, reps: int, device: torch.device) -> float:
+    """Median seconds of fn() over `reps` barrier-aligned repeats after two warm-ups."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------ EP
+@torch.no_grad()
+def _random_nvfp4_bank_(moe: MoE, gen: torch.Generator) -> None:
+    """Random NVFP4 codes and block scales, generated on the bank's device (a CPU draw of 128
+    experts x 3 x 19M values would dominate the run); the same on every rank (same seed)."""
+    bank = moe.experts
+    for proj in ("w1", "w2", "w3"):
+        w = getattr(bank, f"{proj}_weight")
+        for e in range(bank.num_experts):
+            w[e] = torch.randint(0, 256, w[e].shape, generator=gen, device=w.device, dtype=torch.uint8)
+            s = getattr(bank, f"{proj}_weight_scale")[e]
+            s.copy_((torch.rand(s.shape, generator=gen, device=w.device) * 2 + 0.5).to(torch.float8_e4m3fn))
+        getattr(bank, f"{proj}_weight_scale_2").fill_(0.01)
+    for p in moe.parameters():
+        p.normal_(0.0, 0.02, generator=gen)
+
+
+def bench_ep(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    cfg = dataclasses.replace(
+        ModelConfig.preset("tiny"), hidden_size=p["hidden"], moe_intermediate_size=p["ffn"],
+        shared_intermediate_size=p["ffn"], num_local_experts=p["experts"], num_experts_per_tok=p["topk"],
+    )  # fmt: skip
+    with torch.device(device):
+        moe = MoE(cfg, fmt="nvfp4")
+    moe.to(dtype)
+    _random_nvfp4_bank_(moe, torch.Generator(device).manual_seed(0))
+    gen = torch.Generator(device).manual_seed(1 + groups.rank)  # every rank its own tokens
+    x_TD = torch.randn(p["tokens"], p["hidden"], generator=gen, device=device).to(dtype)
+    check_TD = x_TD[:64]
+    with torch.no_grad():
+        ref = moe(check_TD).float()
+    ep = ExpertParallelMoE(moe, groups.ep_group)
+    del moe  # the unsharded bank goes: memory below is the shard's
+    with torch.no_grad():
+        err = ((ep(check_TD).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+    state = _bytes(*ep.experts.buffers())
+    rows = []
+    x_grad_TD = x_TD.clone().requires_grad_(True)
+
+    def fwd():
+        with torch.no_grad():
+            ep(x_TD)
+
+    def fwd_bwd():
+        ep(x_grad_TD).float().square().mean().backward()
+
+    for name, fn, reps in (
+        ("ep_moe_fwd", fwd, p["reps"]),
+        ("ep_moe_fwd_bwd", fwd_bwd, max(2, p["reps"] // 2)),
+    ):
+        _reset_peak(device)
+        t = _timed(fn, reps, device)
+        rows.append(dict(bench=name, step_s=t, tokens=p["tokens"] * groups.world_size, rel_err=err,
+                         state_gb=state / 1e9, peak_gb=_peak_gb(device)))  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- DCP
+def bench_dcp(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    B, L, page, N, H, C = p["batch"], p["context"], p["page"], p["kv_heads"], p["heads"], p["head_dim"]
+    kv_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    gen = torch.Generator(device).manual_seed(2)  # the same cache and queries on every rank
+    nb = -(-L // page)
+    table_BP = torch.randperm(B * nb, generator=gen, device=device).view(B, nb)
+    lens_B = torch.full((B,), L, device=device) - torch.arange(B, device=device) * (page // 3)  # ragged
+    one = torch.tensor(1.0, device=device)
+    index = PagedIndex(torch.randn(B * nb, page, C, generator=gen, device=device).to(dtype), kv_dtype, one, C)
+    kv = PagedKV(
+        torch.randn(B * nb, 2 * N, page, C, generator=gen, device=device).to(dtype), kv_dtype, one, one, C
+    )
+    seq_idx_T = torch.arange(B, device=device)
+    pos_T = lens_B - 1  # one decode token per sequence
+    index_q_TNC = torch.randn(B, N, C, generator=gen, device=device).to(dtype)
+    q_THC = torch.randn(B, H, C, generator=gen, device=device).to(dtype)
+    sel_args = dict(topk=p["topk_blocks"], local_blocks=1, init_blocks=0)
+    scale = C**-0.5
+    ref_sel = index_select_blocks_torch(index_q_TNC, index, table_BP, seq_idx_T, pos_T, lens_B, **sel_args)
+    ref_out = sparse_attention_torch(
+        q_THC, kv, table_BP, seq_idx_T, pos_T, lens_B, ref_sel, softmax_scale=scale
+    )
+    layout = DCPLayout(groups.rank, groups.world_size, page)
+    ipages, itable = shard_pages(index.pages, table_BP, lens_B, layout)
+    kpages, ktable = shard_pages(kv.pages, table_BP, lens_B, layout)
+    local_index = dataclasses.replace(index, pages=ipages)
+    local_kv = dataclasses.replace(kv, pages=kpages)
+    del index, kv  # the unsharded cache goes: memory below is this rank's pages
+    group = groups.ep_group
+
+    def indexer():
+        return dcp_index_select_blocks(
+            index_q_TNC, local_index, itable, seq_idx_T, pos_T, lens_B, group=group, **sel_args
+        )
+
+    def attention(sel):
+        return dcp_sparse_attention(
+            q_THC, local_kv, ktable, seq_idx_T, pos_T, lens_B, sel, softmax_scale=scale, group=group
+        )
+
+    sel = indexer()
+    out = attention(sel)
+    same = bool(torch.equal(torch.sort(sel, -1).values, torch.sort(ref_sel, -1).values))
+    err = ((out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item()
+    state = _bytes(ipages, kpages)
+    rows = []
+    for name, fn in (("dcp_indexer", indexer), ("dcp_attention", lambda: attention(sel)),
+                     ("dcp_decode", lambda: attention(indexer()))):  # fmt: skip
+        _reset_peak(device)
+        t = _timed(fn, p["reps"], device)
+        rows.append(dict(bench=name, step_s=t, tokens=B, topk_identical=same, rel_err=err,
+                         state_gb=state / 1e9, peak_gb=_peak_gb(device)))  # fmt: skip
+    return rows
+
+
+def bench_rank(p: dict, device_type: str) -> list[dict]:
+    """Everything one rank runs (inside an initialised world); returns its rows."""
+    groups = ParallelGroups.build()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    )
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    rows = bench_ep(p, groups, device, dtype) + bench_dcp(p, groups, device, dtype)
+    for r in rows:
+        r.update(world=groups.world_size, rank=groups.rank, device=device_type)
+    return rows
+
+
+def summarize(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per benchmark: the slowest rank's time, the largest memory, the worst error."""
+    out = []
+    for rows in zip(*per_rank, strict=True):
+        first = dict(rows[0])
+        first.pop("rank")
+        first["step_s"] = max(r["step_s"] for r in rows)
+        first["rel_err"] = max(r["rel_err"] for r in rows)
+        first["state_gb"] = max(r["state_gb"] for r in rows)
+        peaks = [r["peak_gb"] for r in rows if r["peak_gb"] is not None]
+        first["peak_gb"] = max(peaks) if peaks else None
+        if "topk_identical" in first:
+            first["topk_identical"] = all(r["topk_identical"] for r in rows)
+        first["tokens_per_s"] = first["tokens"] / first["step_s"]
+        out.append(first)
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {r["bench"]: r["tokens_per_s"] for r in rows if r["world"] == 1}
+    header = [
+        "bench",
+        "world",
+        "tokens/step",
+        "step ms",
+        "tokens/s",
+        "vs 1 rank",
+        "state GB/rank",
+        "peak GB/GPU",
+    ]
+    print("\n| " + " | ".join([*header, "check"]) + " |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base[r['bench']]:.2f}x" if r["bench"] in base else "-"
+        peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "-"
+        check = f"rel err {r['rel_err']:.1e}" + (", top-k identical" if r.get("topk_identical") else "")
+        if r.get("topk_identical") is False:
+            check += ", TOP-K DIFFERS"
+        cells = [r["bench"], r["world"], r["tokens"], f"{r['step_s'] * 1e3:.2f}", f"{r['tokens_per_s']:.0f}",
+                 ratio, f"{r['state_gb']:.4g}", peak, check]  # fmt: skip
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    ap.add_argument(
+        "--worlds", default="1,2", help="comma-separated world sizes to spawn (ignored under torchrun)"
+    )
+    ap.add_argument("--preset", choices=list(PRESETS), default=None, help="default: m3 on cuda, tiny on cpu")
+    for key in ("tokens", "context", "batch", "experts", "reps"):
+        ap.add_argument(f"--{key}", type=int, default=None, help=f"override the preset's {key}")
+    ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
+    args = ap.parse_args()
+    p = dict(PRESETS[args.preset or ("m3" if args.device == "cuda" else "tiny")])
+    p.update(
+        {k: getattr(args, k) for k in ("tokens", "context", "batch", "experts", "reps") if getattr(args, k)}
+    )
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one world, this process is one rank
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        mine = bench_rank(p, args.device)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        is_main = dist.get_rank() == 0
+        dist.destroy_process_group()
+        if not is_main:
+            return
+        rows = summarize(gathered)
+    else:
+        rows = []
+        for world in (int(w) for w in args.worlds.split(",")):
+            rows += summarize(launch_local(bench_rank, world, p, args.device, backend=backend))
+    for r in rows:
+        r["shape"] = p
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

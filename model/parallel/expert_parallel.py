@@ -1,0 +1,260 @@
+"""Expert-parallel MoE (EP) and DEP (data-parallel attention + EP MoE) for the MiniMax-M3 MoE block.
+
+What: the routed experts of a `model.layers.moe.MoE` are sharded over the ranks of an EP group in
+contiguous ranges (`expert_ranges`); every rank keeps the router and the shared expert (replicated,
+unchanged) and its own tokens (data-parallel attention: each rank runs its own sequences).
+One forward:
+  1. route locally (the single-process `MoE.route`, bit for bit);
+  2. dispatch: token-slots sorted by destination rank, send counts exchanged first (all-to-all of
+     W ints), then the slots' hidden rows and local expert ids by all-to-all;
+  3. each rank runs its experts on what it received through `model.kernels.moe.moe_experts` (the
+     single-process dispatch point: Triton on CUDA for NVFP4 inference, the torch grouped path
+     otherwise) with one slot per row and weight 1, i.e. the per-slot expert output;
+  4. combine: the outputs go back by the reverse all-to-all, and the router weights are applied
+     locally, accumulated in fp32 and rounded once, as `moe_experts_torch` does; the shared expert
+     is added locally.
+The all-to-all is an autograd Function whose backward is the reverse all-to-all, so gradients
+reach the activations, the router and LoRA (dense or per-expert) through the exchange.
+
+Why per-slot rows and weights applied at the source: the expert rank then returns exactly the
+single-process per-slot output (same weights, same rounding), and the router-weight gradient never
+crosses the network. (Deduplicating a token sent twice to one rank would halve traffic at top-4
+over few ranks; left for later, see the report in benchmarks/RESULTS.md.)
+
+Invariants: with a world of 1 (or no torch.distributed) no collective runs and the result is the
+single-process MoE's; every rank of the EP group must call forward (and backward) of every EP layer
+in the same order, with zero tokens if it has none; the fp32 output equals the single-process MoE
+up to fp32 summation order. Expert-adapter gradients appear only on the rank owning the expert:
+summing LoRA gradients over the EP group (the DP all-reduce of a learner) gives the union-batch
+gradient.
+
+Legend: T tokens, D hidden, E experts (global), El local experts, K top-k, S = T*K token-slots
+sent, R token-slots received, W ranks in the EP group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.kernels.moe import moe_experts
+from model.layers.moe import ExpertBank, MoE, RouterStats
+from model.parallel.groups import group_rank, group_size
+
+__all__ = [
+    "EPStats",
+    "ExpertParallelMoE",
+    "all_to_all",
+    "apply_expert_parallel",
+    "expert_ranges",
+    "load_metrics",
+    "shard_expert_bank",
+]
+
+
+def expert_ranges(num_experts: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) expert range of every rank; the first E % W ranks hold one more."""
+    if world <= 0 or num_experts < world:
+        raise ValueError(f"expert_ranges: need 0 < world ({world}) <= num_experts ({num_experts})")
+    base, extra = divmod(num_experts, world)
+    out, lo = [], 0
+    for r in range(world):
+        hi = lo + base + (r < extra)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x split by `in_splits` go to each rank; rows from each rank arrive per `out_splits`.
+    Backward is the same exchange reversed (gradient rows travel back to where their rows came from)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Differentiable uneven all-to-all over dim 0 (identity for a group of one)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class _ShardLoRA(nn.Module):
+    """A per-expert adapter seen from an expert shard: local expert e -> global expert e + offset.
+
+    It registers the wrapped adapter's children and parameters under their own names, so the
+    adapter's state-dict names (`experts.lora.w1.lora_A`, ...) and tensors are the unsharded ones
+    (adapter sync and export are unchanged); only the expert index is shifted."""
+
+    def __init__(self, inner: nn.Module, offset: int):
+        super().__init__()
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        for name, p in inner.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        object.__setattr__(self, "_inner", inner)  # not a submodule: its tensors are registered above
+        self.offset = offset
+
+    def forward(self, e: int, proj, x_MI: torch.Tensor) -> torch.Tensor:
+        return self._inner(e + self.offset, proj, x_MI)
+
+
+def shard_expert_bank(bank: ExpertBank, lo: int, hi: int) -> ExpertBank:
+    """Experts [lo, hi) of `bank` as a bank of their own (copies of the stored tensors, same format,
+    same trainability; a `lora` hook is kept, indexed by global expert id)."""
+    if not 0 <= lo < hi <= bank.num_experts:
+        raise ValueError(f"shard_expert_bank: bad range [{lo}, {hi}) of {bank.num_experts} experts")
+    ref = bank.w1_weight
+    local = ExpertBank(
+        hi - lo, bank.hidden_size, bank.intermediate_size, bank.fmt,
+        swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
+        dtype=ref.dtype if bank.fmt == "float" else None, device=ref.device,
+        trainable=bank.fmt == "float" and ref.requires_grad,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, t in [*bank.named_parameters(recurse=False), *bank.named_buffers(recurse=False)]:
+            getattr(local, name).copy_(t[lo:hi])
+    if isinstance(bank.lora, nn.Module):
+        local.lora = _ShardLoRA(bank.lora, lo)
+    elif bank.lora is not None:  # a plain callable: shift the expert index in a closure
+        local.lora = lambda e, proj, x, _fn=bank.lora: _fn(e + lo, proj, x)
+    return local
+
+
+@dataclass
+class EPStats:
+    """Routing and load statistics of one EP forward (device tensors: reading them is a sync)."""
+
+    router: RouterStats  # this rank's tokens: tokens_per_expert_E (local routing), router logits
+    sent_per_rank_W: torch.Tensor  # int64 [W] token-slots this rank sent to each rank
+    received_per_rank_W: torch.Tensor  # int64 [W] token-slots this rank received from each rank
+
+
+def load_metrics(tokens_per_expert_E: torch.Tensor, ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Load balance from per-expert token counts (sum them over the EP group first for the global
+    view): max / mean tokens per expert and per rank (1.0 = perfectly balanced), and the counts."""
+    counts_E = tokens_per_expert_E.float()
+    per_rank_W = torch.stack([counts_E[lo:hi].sum() for lo, hi in ranges])
+    eps = 1e-9  # an empty step reports balance 0, not NaN
+    return {
+        "tokens_per_expert": tokens_per_expert_E,
+        "expert_max_over_mean": counts_E.max() / (counts_E.mean() + eps),
+        "rank_max_over_mean": per_rank_W.max() / (per_rank_W.mean() + eps),
+        "tokens_per_rank": per_rank_W,
+    }
+
+
+class ExpertParallelMoE(nn.Module):
+    """Drop-in replacement of a `MoE` block with its routed experts sharded over `ep_group`.
+
+    Keeps the MoE's `gate`, `e_score_correction_bias` and `shared_experts` (the same modules, so
+    checkpoint names are unchanged) and replaces `experts` by this rank's shard.
+    """
+
+    def __init__(self, moe: MoE, ep_group: dist.ProcessGroup | None):
+        super().__init__()
+        self.ep_group = ep_group
+        self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
+        self.num_experts = moe.experts.num_experts
+        self.ranges = expert_ranges(self.num_experts, self.ep_size)
+        self.expert_lo, self.expert_hi = self.ranges[self.ep_rank]
+        self.top_k, self.routed_scaling_factor = moe.top_k, moe.routed_scaling_factor
+        self.gate = moe.gate
+        self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
+        self.experts = shard_expert_bank(moe.experts, self.expert_lo, self.expert_hi)
+        self.shared_experts = moe.shared_experts
+        # Exclusive upper expert bound of each rank: destination = searchsorted(bounds, id, right).
+        self.register_buffer("_rank_hi_W", torch.tensor([hi for _, hi in self.ranges]), persistent=False)
+        self.register_buffer("_rank_lo_W", torch.tensor([lo for lo, _ in self.ranges]), persistent=False)
+
+    # The router stays fp32 and the shard keeps its storage dtypes, exactly as in MoE.
+    _apply = MoE._apply
+    route = MoE.route
+
+    def extra_repr(self) -> str:
+        lo, hi, e = self.expert_lo, self.expert_hi, self.num_experts
+        return f"experts=[{lo}, {hi}) of {e}, ep_rank={self.ep_rank}/{self.ep_size}"
+
+    def _routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor):
+        """Routed-expert output [T, D] (x's dtype) and the per-rank send/receive counts."""
+        K = ids_TK.shape[1]
+        W = self.ep_size
+        ids_S = ids_TK.reshape(-1)
+        dest_S = torch.searchsorted(self._rank_hi_W, ids_S, right=True)
+        order_S = torch.argsort(dest_S, stable=True)  # slots grouped by destination, token order kept
+        token_S = order_S // K
+        send_W = torch.bincount(dest_S, minlength=W)
+        local_ids_S = ids_S[order_S] - self._rank_lo_W[dest_S[order_S]]
+        if W == 1:
+            recv_W, x_RD, local_ids_R = send_W, x_TD[token_S], local_ids_S
+        else:
+            recv_W = torch.empty_like(send_W)
+            dist.all_to_all_single(recv_W, send_W, group=self.ep_group)
+            # SYNC: uneven all-to-all needs the split sizes on the host (2W ints per layer call).
+            send, recv = send_W.tolist(), recv_W.tolist()
+            local_ids_R = torch.empty(sum(recv), dtype=local_ids_S.dtype, device=x_TD.device)
+            dist.all_to_all_single(local_ids_R, local_ids_S, recv, send, group=self.ep_group)
+            x_RD = all_to_all(x_TD[token_S], recv, send, self.ep_group)
+        # One slot per row with weight 1: moe_experts returns each row's expert output unweighted.
+        ones_R1 = torch.ones((x_RD.shape[0], 1), dtype=torch.float32, device=x_TD.device)
+        y_RD = moe_experts(x_RD, local_ids_R[:, None], ones_R1, self.experts)
+        y_SD = y_RD if W == 1 else all_to_all(y_RD, send, recv, self.ep_group)
+        contrib_SD = y_SD.float() * weights_TK.reshape(-1)[order_S].float().unsqueeze(1)
+        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add(
+            0, token_S, contrib_SD
+        )
+        return y_TD.to(x_TD.dtype), send_W, recv_W
+
+    def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, EPStats]:
+        """x [..., D] -> (out [..., D], EPStats); collective over the EP group."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        ids_TK, weights_TK, logits_TE = self.route(x_TD)
+        out_TD, send_W, recv_W = self._routed(x_TD, ids_TK, weights_TK)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        router = RouterStats(
+            tokens_per_expert_E=torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts),
+            router_logits_TE=logits_TE,
+        )
+        return out_TD.reshape(x.shape), EPStats(router, send_W, recv_W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_stats(x)[0]
+
+    def global_tokens_per_expert(self, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's per-expert counts (collective; for logging, not the hot path)."""
+        total_E = tokens_per_expert_E.clone()
+        if self.ep_size > 1:
+            dist.all_reduce(total_E, group=self.ep_group)
+        return total_E
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    """DEP: replace, in place, every `MoE` module of `model` by an `ExpertParallelMoE` over
+    `ep_group` (attention stays per rank: each rank feeds its own sequences). Apply after
+    `apply_lora` so per-expert adapters keep their global shapes and names. Returns `model`."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not targets:
+        raise ValueError("apply_expert_parallel: the model has no MoE block to shard")
+    for name, moe in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, ExpertParallelMoE(moe, ep_group))
+    return model
