@@ -43,6 +43,8 @@ ModelDtype = Literal["fp32", "bf16"]
 AdapterDtype = Literal["float32", "bfloat16"]
 DataKind = Literal["arithmetic", "dapo_math"]
 RolloutBackend = Literal["native", "vllm"]
+ModelFamily = Literal["minimax_m3", "hf"]
+VLLMSync = Literal["auto", "tensors", "ramdir"]
 CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -80,6 +82,9 @@ class ModelSection:
     `preset` (model.config presets, random init) when both are set; `overrides` replaces
     ModelConfig fields after either (e.g. `model.overrides.num_hidden_layers=2`)."""
 
+    # "minimax_m3": the project's model (model/modeling.py). "hf": a Hugging Face causal LM (Qwen3,
+    # Llama, ...) from `checkpoint`, NVFP4-quantized on load (model/hf_nvfp4.py), served by vLLM only.
+    family: ModelFamily = "minimax_m3"
     preset: str | None = "tiny"
     checkpoint: str | None = None
     dtype: ModelDtype = "fp32"
@@ -105,6 +110,11 @@ class ModelSection:
             f"model.overrides: unknown ModelConfig field(s) {unknown}; valid fields: {valid}",
         )
         _require(bool(self.tokenizer), "model.tokenizer must be 'byte' or a tokenizer name/path")
+        _require(
+            self.family != "hf" or self.checkpoint is not None,
+            "model.family=hf needs model.checkpoint=<Hugging Face model directory> "
+            "(presets are MiniMax-M3 only)",
+        )
 
 
 @dataclass
@@ -189,9 +199,16 @@ class RolloutSection:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
     torch_threads: int = 1
+    # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
+    # directory), the dtype it computes in (None = model.dtype), its context length, and a DSpark
+    # drafter directory for speculative decoding.
+    vllm_sync: VLLMSync = "auto"
+    vllm_dtype: ModelDtype | None = None
+    max_model_len: int = 2048
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
-        _at_least(self, "rollout", 1, "num_workers", "n_samples", "max_tokens", "max_pages")
+        _at_least(self, "rollout", 1, "num_workers", "n_samples", "max_tokens", "max_pages", "max_model_len")
         _at_least(
             self, "rollout", 1, "max_batch_tokens", "max_num_seqs", "tensor_parallel_size", "torch_threads"
         )
@@ -380,6 +397,11 @@ class TrainConfig:
             f"({self.rollout.max_tokens})",
         )
         _require(self.resume != "", "resume must be null, 'auto' or a checkpoint path (got '')")
+        _require(
+            self.model.family != "hf" or self.rollout.backend == "vllm",
+            "model.family=hf runs on the vLLM backend only (the native engine serves MiniMax-M3): "
+            "set rollout.backend=vllm",
+        )
         if self.trainer.device == "cpu":
             _require(
                 self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,

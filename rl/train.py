@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         cfg = load_config(recipe, overrides)
-        if cfg.model.warmup and cfg.model.checkpoint:
+        if cfg.model.warmup and cfg.model.checkpoint and cfg.model.family == "hf":
+            from rl.hf_toy import ensure_hf_toy_base
+
+            ensure_hf_toy_base(Path(cfg.model.checkpoint))
+        elif cfg.model.warmup and cfg.model.checkpoint:
             from rl.warmup import ensure_base
 
             ensure_base(Path(cfg.model.checkpoint))

@@ -37,10 +37,16 @@ def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:
     from model.convert import convert
     from model.modeling import MiniMaxM3ForCausalLM
 
+    m = cfg.model
+    if m.family == "hf":  # the learner quantizes the HF checkpoint on load; nothing to write here
+        if not (Path(m.checkpoint) / "config.json").exists():
+            raise FileNotFoundError(
+                f"model.checkpoint={m.checkpoint!r} is not a Hugging Face model directory (no config.json)"
+            )
+        return Path(m.checkpoint)
     base = run_dir / "base"
     if (base / "model.safetensors.index.json").exists():
         return base
-    m = cfg.model
     if m.checkpoint:
         src = Path(m.checkpoint)
         if not src.exists():
@@ -103,8 +109,15 @@ class Trainer:
             ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)  # fmt: skip
         res = {"num_cpus": 0, "num_gpus": cfg.rollout.num_gpus}
+        engine_base = base
+        if cfg.model.family == "hf":
+            # vLLM serves the dequantized twin: the learner's NVFP4 values as an ordinary checkpoint.
+            from rl.hf_policy import prepare_hf_base
+
+            engine_base = prepare_hf_base(base, self.run_dir / "base_vllm", cfg.model.dtype)
         self.rollout = [
-            ray.remote(**res)(RolloutWorker).remote(cfg, str(base), i) for i in range(cfg.rollout.num_workers)
+            ray.remote(**res)(RolloutWorker).remote(cfg, str(engine_base), i)
+            for i in range(cfg.rollout.num_workers)
         ]
         self.rewards = [
             ray.remote(num_cpus=0)(RewardWorker).remote(cfg) for _ in range(cfg.reward.num_workers)
@@ -128,9 +141,13 @@ class Trainer:
 
         t0 = time.perf_counter()
         update = ray.get(self.learner.adapter_update.remote())
-        ray.get([w.set_adapter.remote(update) for w in self.rollout])
-        return {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
-                "sync/version": float(update.version)}  # fmt: skip
+        engine_side = ray.get([w.set_adapter.remote(update) for w in self.rollout])
+        out = {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
+               "sync/version": float(update.version)}  # fmt: skip
+        loads = [e["seconds"] for e in engine_side if e and "seconds" in e]
+        if loads:  # the engines' own load time (vLLM: building its LoRA weights), slowest replica
+            out["sync/engine_load_seconds"] = max(loads)
+        return out
 
     def _rollout(self, prompts: list, n: int, temperature: float, top_p: float, seed: int) -> list[Sample]:
         import ray
@@ -272,6 +289,10 @@ class Trainer:
         """Stop this run's actors (the Ray instance itself stays up for whoever started it)."""
         import ray
 
+        try:  # engines with subprocesses (vLLM) stop them first; a dead actor is no reason to fail
+            ray.get([w.shutdown.remote() for w in self.rollout], timeout=60)
+        except Exception as e:
+            print(f"warning: rollout engine shutdown: {e}", file=sys.stderr)
         for actor in [*self.rollout, *self.rewards, self.learner]:
             ray.kill(actor)
 
@@ -325,6 +346,8 @@ class Trainer:
 
         update = ray.get(self.learner.adapter_update.remote())
         lc = self.cfg.lora
+        if self.cfg.model.family == "hf":
+            return self._export_hf(update.tensors, metrics)
         lora = LoRAConfig(r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=list(lc.target_modules))
         meta = AdapterMetadata(
             base_fingerprint=self.base_fingerprint,
@@ -337,6 +360,32 @@ class Trainer:
         save_adapter(
             None, out, lora, base_model_name_or_path=str(self.base_dir), metadata=meta, tensors=update.tensors
         )
+        return out
+
+    def _export_hf(self, tensors: dict, metrics: dict[str, float] | None) -> Path:
+        """Plain PEFT files for a Hugging Face base: `PeftModel.from_pretrained(twin, dir)` and vLLM
+        (`--lora-modules`) load them; `nvfp4_source.json` names the NVFP4 base fingerprint."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from rollout.vllm_backend import peft_config_dict
+
+        lc, out = self.cfg.lora, self.run_dir / "adapter"
+        staging = out.with_name("adapter.tmp")
+        staging.mkdir(parents=True, exist_ok=True)
+        cfg = peft_config_dict(lc.r, lc.alpha, tuple(lc.target_modules))
+        cfg["base_model_name_or_path"] = str(self.run_dir / "base_vllm")
+        (staging / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "adapter_model.safetensors"))
+        (staging / "nvfp4_source.json").write_text(json.dumps({
+            "nvfp4_base_fingerprint": self.base_fingerprint, "step": self.step,
+            "metrics": {k: float(v) for k, v in (metrics or {}).items()}}, indent=2))  # fmt: skip
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        staging.rename(out)
         return out
 
 

@@ -45,7 +45,13 @@ class Sample:
 
 
 def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
-    """Base (as stored: NVFP4 experts stay packed) + a fresh LoRA adapter, identical in every process."""
+    """Base (as stored: NVFP4 experts stay packed) + a fresh LoRA adapter, identical in every process.
+    model.family=hf: the Hugging Face model at `base_dir`, NVFP4-quantized on load (rl/hf_policy.py)."""
+    if cfg.model.family == "hf":
+        from rl.hf_policy import build_hf_policy
+
+        lc = cfg.lora
+        return build_hf_policy(base_dir, cfg.model.dtype, lc.r, lc.alpha, lc.target_modules, cfg.trainer.seed)
     model = load_model(base_dir, device=cfg.trainer.device, dtype=_DTYPES[cfg.model.dtype])
     # The run's cache dtypes go into the model config, which both the engine's cache and the
     # learner's KV simulation (trainer.kv_sim) read: they cannot disagree.
@@ -62,28 +68,87 @@ def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
     return apply_lora(model, lora, seed=cfg.trainer.seed)
 
 
-class RolloutWorker:
-    def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0):
-        from rollout.native.engine import NativeEngine
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's LoRA tensors (MiniMax: `lora_state_dict` names; hf: PEFT file names)."""
+    return model.adapter_tensors() if hasattr(model, "adapter_tensors") else lora_state_dict(model)
 
+
+def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    if hasattr(model, "load_adapter_tensors"):
+        model.load_adapter_tensors(tensors)
+    else:
+        load_lora_state_dict(model, tensors)
+
+
+def policy_fingerprint(model: torch.nn.Module) -> str:
+    return model.fingerprint() if hasattr(model, "fingerprint") else base_fingerprint(model)
+
+
+class RolloutWorker:
+    """One engine replica: the native engine over the policy model, or vLLM (rollout.backend=vllm)
+    over `base_dir`, which for model.family=hf is the dequantized twin of the learner's NVFP4 base."""
+
+    def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0):
         torch.set_num_threads(max(1, cfg.rollout.torch_threads))
         self.cfg, self.index = cfg, index
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.version = 0
+        if cfg.rollout.backend == "vllm":
+            self._init_vllm(base_dir)
+            return
+        from rollout.native.engine import NativeEngine
+
         self.model = build_policy(cfg, base_dir).eval()
+        self._fingerprint = base_fingerprint(self.model)
         self.engine = NativeEngine(
             self.model,
             max_pages=cfg.rollout.max_pages,
             max_batch_tokens=cfg.rollout.max_batch_tokens,
             max_num_seqs=cfg.rollout.max_num_seqs,
         )
-        self.version = 0
+
+    def _init_vllm(self, base_dir: str) -> None:
+        from model.adapter import peft_target_modules
+        from rollout.vllm_backend import VLLMEngine, VLLMSettings
+
+        cfg, r = self.cfg, self.cfg.rollout
+        if cfg.model.family == "hf":
+            from rl.hf_policy import twin_fingerprint
+
+            self._fingerprint = twin_fingerprint(base_dir)
+            targets = tuple(cfg.lora.target_modules)
+        else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support)
+            self._fingerprint = base_fingerprint(load_model(base_dir, device="cpu"))
+            targets = tuple(peft_target_modules(list(cfg.lora.target_modules)))
+        kv = r.kv_cache_dtype if r.kv_cache_dtype not in (None, "fp32") else "auto"
+        dtypes = {"fp32": "float32", "bf16": "bfloat16"}
+        self.engine = VLLMEngine(VLLMSettings(
+            model=base_dir, dtype=dtypes[r.vllm_dtype or cfg.model.dtype], max_model_len=r.max_model_len,
+            lora_r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_targets=targets,
+            max_lora_rank=max(32, cfg.lora.r), kv_cache_dtype=kv,
+            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
+            max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed + self.index, drafter=r.drafter,
+            sync=r.vllm_sync, eos_token_id=self.tokenizer.eos_token_id,
+        ))  # fmt: skip
 
     def fingerprint(self) -> str:
-        return base_fingerprint(self.model)
+        return self._fingerprint
 
-    def set_adapter(self, update: AdapterUpdate) -> None:
-        self.engine.set_adapter(update.tensors, update.version)
+    def set_adapter(self, update: AdapterUpdate) -> dict[str, float]:
+        tensors = update.tensors
+        if self.cfg.rollout.backend == "vllm" and self.cfg.model.family != "hf":
+            from model.adapter import to_peft_tensors
+
+            tensors = to_peft_tensors(tensors)
+        self.engine.set_adapter(tensors, update.version)
         self.version = update.version
+        return dict(getattr(self.engine, "last_sync", {}))
+
+    def shutdown(self) -> None:
+        """Stop engine subprocesses (vLLM) before the actor is killed."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def generate(
         self, prompts: list, n: int, temperature: float, top_p: float, seed: int, min_version: int = 0
@@ -187,10 +252,10 @@ class Learner:
         self.version = 0
 
     def fingerprint(self) -> str:
-        return base_fingerprint(self.model)
+        return policy_fingerprint(self.model)
 
     def adapter_update(self) -> AdapterUpdate:
-        return make_update(lora_state_dict(self.model), self.version)
+        return make_update(adapter_tensors(self.model), self.version)
 
     def _logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool):
         c = self.cfg
@@ -257,14 +322,14 @@ class Learner:
     # checkpoint state (the adapter and optimizer: the base never changes)
     def state_dict(self) -> dict:
         return {
-            "adapter": {k: v.clone() for k, v in lora_state_dict(self.model).items()},
+            "adapter": {k: v.clone() for k, v in adapter_tensors(self.model).items()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        load_lora_state_dict(self.model, state["adapter"])
+        load_adapter_tensors(self.model, state["adapter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
