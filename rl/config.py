@@ -45,6 +45,7 @@ DataKind = Literal["arithmetic", "dapo_math"]
 RolloutBackend = Literal["native", "vllm"]
 ModelFamily = Literal["minimax_m3", "hf"]
 VLLMSync = Literal["auto", "tensors", "ramdir"]
+Placement = Literal["none", "pack", "spread"]
 CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -297,8 +298,9 @@ class TrainerSection:
     """The step loop. `eval_every` / `save_every` in steps (0 = never); evaluation samples
     `eval_n_samples` completions per eval prompt (avg@k) at `eval_temperature` / `eval_top_p`.
     `micro_batch_size` sequences per learner forward/backward. `kv_sim` makes the learner's attention
-    see K/V through the engine's cache quantization. `num_learners` learner actors request `num_gpus`
-    each (a learner shards the model over its GPUs); `torch_threads` CPU threads per learner;
+    see K/V through the engine's cache quantization. `num_learners` learner actors (data parallel:
+    each takes a shard of every mini-batch, LoRA gradients are all-reduced, so all hold the same
+    adapter) request `num_gpus` each; `torch_threads` CPU threads per learner;
     `keep_checkpoints` is how many step checkpoints stay."""
 
     total_steps: int = 100
@@ -322,13 +324,6 @@ class TrainerSection:
         _at_least(self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads")
         _at_least(self, "trainer", 0, "eval_every", "save_every", "eval_temperature", "num_gpus")
         _require(0 < self.eval_top_p <= 1, f"trainer.eval_top_p must be in (0, 1], got {self.eval_top_p}")
-        # One learner actor for now (it may hold several GPUs); data-parallel learners come with the
-        # scale-out issue. Refuse rather than silently train with fewer.
-        _require(
-            self.num_learners == 1,
-            f"trainer.num_learners={self.num_learners} is not supported yet; use 1 (a learner may use "
-            "several GPUs via trainer.num_gpus)",
-        )
 
 
 @dataclass
@@ -359,15 +354,25 @@ class TrackingSection:
 
 @dataclass
 class RaySection:
-    """`address` None starts an embedded local Ray instance; "auto" or host:port joins a cluster."""
+    """`address` None starts an embedded local Ray instance; "auto" or host:port joins a cluster.
+    `placement`: "none" lets Ray place actors freely; "pack" / "spread" reserve one placement-group
+    bundle per learner and rollout worker (their `num_gpus`, plus `bundle_cpus` CPUs) first, so a
+    run either gets its whole layout or waits, and learners / engines land together ("pack") or on
+    different nodes where possible ("spread")."""
 
     address: str | None = None
     num_cpus: int | None = None
     num_gpus: int | None = None
+    placement: Placement = "none"
+    bundle_cpus: float = 0.01
 
     def __post_init__(self) -> None:
         _at_least(self, "ray", 1, "num_cpus")
         _at_least(self, "ray", 0, "num_gpus")
+        _require(
+            self.bundle_cpus > 0,
+            f"ray.bundle_cpus must be > 0 (Ray bundles need a resource), got {self.bundle_cpus}",
+        )
 
 
 @dataclass

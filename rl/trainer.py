@@ -108,7 +108,7 @@ class Trainer:
         if not ray.is_initialized():
             ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)  # fmt: skip
-        res = {"num_cpus": 0, "num_gpus": cfg.rollout.num_gpus}
+        self._placement = self._placement_group()
         engine_base = base
         if cfg.model.family == "hf":
             # vLLM serves the dequantized twin: the learner's NVFP4 values as an ordinary checkpoint.
@@ -116,14 +116,25 @@ class Trainer:
 
             engine_base = prepare_hf_base(base, self.run_dir / "base_vllm", cfg.model.dtype)
         self.rollout = [
-            ray.remote(**res)(RolloutWorker).remote(cfg, str(engine_base), i)
+            self._actor(RolloutWorker, cfg.rollout.num_gpus, i).remote(cfg, str(engine_base), i)
             for i in range(cfg.rollout.num_workers)
         ]
         self.rewards = [
             ray.remote(num_cpus=0)(RewardWorker).remote(cfg) for _ in range(cfg.reward.num_workers)
         ]
-        self.learner = ray.remote(num_cpus=0, num_gpus=cfg.trainer.num_gpus)(Learner).remote(cfg, str(base))
-        prints = ray.get([self.learner.fingerprint.remote()] + [w.fingerprint.remote() for w in self.rollout])
+        world = cfg.trainer.num_learners
+        self.learners = [
+            self._actor(Learner, cfg.trainer.num_gpus, len(self.rollout) + rank).remote(
+                cfg, str(base), rank, world
+            )
+            for rank in range(world)
+        ]
+        self.learner = self.learners[0]  # rank 0 answers for the group (all hold the same adapter)
+        if world > 1:
+            addr = ray.get(self.learner.rendezvous_address.remote())
+            ray.get([lrn.init_group.remote(*addr) for lrn in self.learners])
+        prints = ray.get([lrn.fingerprint.remote() for lrn in self.learners] +
+                         [w.fingerprint.remote() for w in self.rollout])  # fmt: skip
         if len(set(prints)) != 1:
             raise RuntimeError(
                 f"base fingerprints differ between learner and rollout workers: {prints}; every worker must "
@@ -134,6 +145,46 @@ class Trainer:
             self._restore(resume_state)
         self._sync()  # engines start with the learner's adapter (fresh: exact zero delta)
         self.startup_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ placement
+    def _placement_group(self):
+        """One bundle per rollout worker (indices 0..W-1) then per learner, reserved up front
+        (ray.placement=pack|spread); None = let Ray place actors freely."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        c = self.cfg
+        if c.ray.placement == "none":
+            return None
+
+        def bundle(gpus: float) -> dict[str, float]:
+            return {"CPU": c.ray.bundle_cpus, **({"GPU": gpus} if gpus else {})}
+
+        bundles = [bundle(c.rollout.num_gpus)] * c.rollout.num_workers
+        bundles += [bundle(c.trainer.num_gpus)] * c.trainer.num_learners
+        pg = placement_group(bundles, strategy=c.ray.placement.upper())
+        try:
+            ray.get(pg.ready(), timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"Ray could not reserve the run's layout ({len(bundles)} bundles: {bundles}) in 300 s; the "
+                "cluster lacks the GPUs/CPUs asked for: lower rollout.num_workers / trainer.num_learners / "
+                "num_gpus, add nodes, or set ray.placement=none"
+            ) from None
+        return pg
+
+    def _actor(self, cls, num_gpus: float, bundle_index: int):
+        import ray
+
+        if self._placement is None:
+            return ray.remote(num_cpus=0, num_gpus=num_gpus)(cls)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(
+            self._placement, placement_group_bundle_index=bundle_index
+        )
+        return ray.remote(num_cpus=self.cfg.ray.bundle_cpus, num_gpus=num_gpus,
+                          scheduling_strategy=strategy)(cls)  # fmt: skip
 
     # ------------------------------------------------------------------ pieces of a step
     def _sync(self) -> dict[str, float]:
@@ -152,17 +203,23 @@ class Trainer:
     def _rollout(self, prompts: list, n: int, temperature: float, top_p: float, seed: int) -> list[Sample]:
         import ray
 
+        # Seeds come from (seed, global prompt position) and samples are put back in prompt order,
+        # so the step's data is the same whatever the number of rollout / reward workers.
         k = len(self.rollout)
-        shards = [prompts[i::k] for i in range(k)]
         futures = [
-            w.generate.remote(shard, n, temperature, top_p, seed * 7919 + i, self.step)
-            for i, (w, shard) in enumerate(zip(self.rollout, shards, strict=True))
-            if shard
+            w.generate.remote(
+                prompts[i::k], n, temperature, top_p, seed * 7919, self.step, list(range(len(prompts)))[i::k]
+            )
+            for i, w in enumerate(self.rollout)
+            if prompts[i::k]
         ]
-        samples = [s for part in ray.get(futures) for s in part]
+        order = {p.uid: j for j, p in enumerate(prompts)}
+        samples = sorted((s for part in ray.get(futures) for s in part), key=lambda s: order[s.uid])
         r = len(self.rewards)
-        scored = ray.get([self.rewards[i].score.remote(samples[i::r]) for i in range(r) if samples[i::r]])
-        return [s for part in scored for s in part]
+        parts = ray.get([self.rewards[i].score.remote(samples[i::r]) for i in range(r) if samples[i::r]])
+        for i, part in enumerate(parts):
+            samples[i::r] = part
+        return samples
 
     def train_step(self) -> dict[str, float]:
         import ray
@@ -210,11 +267,11 @@ class Trainer:
         }
         if kept:
             group_advantages(kept)
-            metrics.update(ray.get(self.learner.timed_train_step.remote(kept)))
+            metrics.update(ray.get([lrn.timed_train_step.remote(kept) for lrn in self.learners])[0])
             metrics.update(self._sync())
         else:
             metrics["actor/skipped_step"] = 1.0  # every group had equal rewards: nothing to learn from
-            ray.get(self.learner.skip_step.remote())
+            ray.get([lrn.skip_step.remote() for lrn in self.learners])
             metrics.update(self._sync())
         n_tokens = sum(lengths)
         step_s = time.perf_counter() - t0
@@ -293,8 +350,12 @@ class Trainer:
             ray.get([w.shutdown.remote() for w in self.rollout], timeout=60)
         except Exception as e:
             print(f"warning: rollout engine shutdown: {e}", file=sys.stderr)
-        for actor in [*self.rollout, *self.rewards, self.learner]:
+        for actor in [*self.rollout, *self.rewards, *self.learners]:
             ray.kill(actor)
+        if self._placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement)
 
     # ------------------------------------------------------------------ state
     def save(self) -> Path:
@@ -330,7 +391,7 @@ class Trainer:
 
         if state.get("base_fingerprint") and state["base_fingerprint"] != self.base_fingerprint:
             raise RuntimeError("the checkpoint was trained on a different base (fingerprint mismatch)")
-        ray.get(self.learner.load_state_dict.remote(state["learner"]))
+        ray.get([lrn.load_state_dict.remote(state["learner"]) for lrn in self.learners])
         self.step = state["step"]
         self.train_stream.load_state_dict(state["data"])
         restore_rng_state(state["rng"])

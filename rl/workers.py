@@ -151,10 +151,17 @@ class RolloutWorker:
             close()
 
     def generate(
-        self, prompts: list, n: int, temperature: float, top_p: float, seed: int, min_version: int = 0
+        self,
+        prompts: list,
+        n: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        min_version: int = 0,
+        positions: list[int] | None = None,
     ) -> list[Sample]:
-        """n samples of each prompt. Seeds derive from (seed, prompt position), so a step's rollouts
-        are reproducible whatever the worker count."""
+        """n samples of each prompt. Seeds derive from (seed, prompt position in the whole step's
+        batch: `positions`, default 0..), so a step's rollouts are the same whatever the worker count."""
         from rollout.engine import Request, SamplingParams
 
         if self.version < min_version:
@@ -170,7 +177,8 @@ class RolloutWorker:
             stop_token_ids=tuple(self.tokenizer.stop_token_ids),
         )
         requests, ids_by_req = [], []
-        for i, p in enumerate(prompts):
+        positions = list(range(len(prompts))) if positions is None else positions
+        for i, p in zip(positions, prompts, strict=True):
             ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(p.messages))
             ids_by_req.append(ids)
             requests.append(
@@ -234,7 +242,15 @@ class RewardWorker:
 
 
 class Learner:
-    def __init__(self, cfg: TrainConfig, base_dir: str):
+    """Policy + optimizer. With `world` > 1 learners form a data-parallel group (gloo on CPU, NCCL
+    on GPUs; `init_group`): every learner receives the whole step's samples and trains on its shard
+    of each mini-batch; the token-mean loss is normalised by the mini-batch's global token count and
+    LoRA gradients are summed over the group before clipping, so every learner takes the identical
+    optimizer step (same adapter everywhere, equal to one learner on the union batch up to float
+    summation order)."""
+
+    def __init__(self, cfg: TrainConfig, base_dir: str, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
         torch.manual_seed(cfg.trainer.seed)
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
         self.cfg = cfg
@@ -253,6 +269,46 @@ class Learner:
 
     def fingerprint(self) -> str:
         return policy_fingerprint(self.model)
+
+    # ------------------------------------------------------------------ data-parallel group
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port (called on rank 0) for the group's TCP rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_group(self, addr: str, port: int) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.cfg.trainer.device == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
+        )
+
+    def _all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+    def _all_reduce_grads(self) -> None:
+        if self.world == 1:
+            return
+        flat = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in self.params
+        ])  # fmt: skip
+        self._all_reduce_(flat)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
 
     def adapter_update(self) -> AdapterUpdate:
         return make_update(adapter_tensors(self.model), self.version)
@@ -277,6 +333,8 @@ class Learner:
         per_mini = a.mini_batch_prompts or len(uids)
         mini_of = {u: i // per_mini for i, u in enumerate(uids)}
         minis = [[s for s in samples if mini_of[s.uid] == m] for m in range(-(-len(uids) // per_mini))]
+        if self.world > 1:  # this learner's shard of every mini-batch (possibly empty)
+            minis = [m[self.rank :: self.world] for m in minis]
         mb = max(1, cfg.trainer.micro_batch_size)
         batches = [[_collate(m[j : j + mb]) for j in range(0, len(m), mb)] for m in minis]
         on_policy = a.ppo_epochs == 1 and len(minis) == 1
@@ -290,7 +348,8 @@ class Learner:
         for _ in range(a.ppo_epochs):
             for mini in batches:
                 self.optimizer.zero_grad(set_to_none=True)
-                total_tokens = sum(float(b["mask"].sum()) for b in mini)
+                local_tokens = torch.tensor([sum(float(b["mask"].sum()) for b in mini)], dtype=torch.float64)
+                total_tokens = float(self._all_reduce_(local_tokens))
                 for batch in mini:
                     logp_BT, ent_BT = self._logprobs(batch, with_entropy=True)
                     mask = batch["mask"]
@@ -304,10 +363,19 @@ class Learner:
                     metrics = {**metrics, "actor/entropy": grpo.masked_mean(ent_BT.detach(), mask)}
                     for k, v in metrics.items():  # SYNC: metrics once per micro-batch
                         sums[k] = sums.get(k, 0.0) + float(v) * weight / n_updates
+                self._all_reduce_grads()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
                 sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / n_updates
+        if self.world > 1:  # token-weighted shares of the global means: summing them gives the means
+            import torch.distributed as dist
+
+            parts: list = [None] * self.world
+            dist.all_gather_object(parts, sums)
+            norm = sums.get("actor/grad_norm", 0.0)  # identical on every learner after the all-reduce
+            sums = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
+            sums["actor/grad_norm"] = norm
         self.scheduler.step()
         self.version += 1
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
