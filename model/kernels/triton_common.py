@@ -108,6 +108,20 @@ def load_nvfp4_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
+def load_nvfp4_tile_direct(row_ptrs, is_row, C: tl.constexpr):
+    """`load_nvfp4_tile` without the join + reshape interleave: element c reads byte c // 2 (each
+    byte loaded twice, from L1) and shifts out its own nibble. Slower; used by the attention
+    kernel's bf16-dot fallback for NVFP4 pages, which gave wrong results on the H200 (Triton 3.6)
+    when its tile came through the interleave at head dim 32 / page 16 (v1)."""
+    offs_c = tl.arange(0, C)
+    packed = tl.load(row_ptrs[:, None] + offs_c[None, :] // 2, mask=is_row[:, None], other=0).to(tl.int32)
+    s_bits = tl.load(row_ptrs[:, None] + C // 2 + offs_c[None, :] // 16, mask=is_row[:, None], other=0)
+    s_x64 = s_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * E2M1_FP8_SHIFT
+    q = (packed >> ((offs_c[None, :] % 2) * 4)) & 0xF
+    return e2m1_to_f32_x64(q) * s_x64
+
+
+@triton.jit
 def dot_bf16(a, b, HW: tl.constexpr):
     """bf16 x bf16 -> fp32 tensor-core dot. The interpreter's dot multiplies bf16 storage as raw
     integers, so there both operands go through fp32 first (exact: the same products, fp32 sums)."""

@@ -10,18 +10,27 @@ each expert's group padded to a multiple of BM rows; `rows` [MB * BM] holds the 
 row (-1 = padding) and `block_expert` [MB] the expert of every BM-row block (-1 = unused block;
 MB = S // BM + min(S, E) bounds the blocks any routing can need).
 
-Kernel `_nvfp4_moe_kernel`, grid (MB, N / BN), one [BM, BN] output tile per program, K in BK steps:
-- x tile [BM, BK] bf16 (token rows gathered through `rows`, or the padded act rows);
-- weight tile(s) [BN, BK]: packed bytes and e4m3 block scales loaded in stored order, E2M1 decoded
-  by bit manipulation (FACTS 6, no lookup table), value = e2m1 * (float(s) * scale_2) in fp32 then
-  rounded to bf16: the exact weights `nvfp4_linear` / `ExpertBank.dequantized` multiply with;
-- bf16 tensor-core dots, fp32 accumulation.
+Kernel `_nvfp4_moe_kernel`, grid (MB, N / BN), one [BM, BN] output tile per program, K in BK steps.
+Two weight decodes, both giving bf16(e2m1 * (float(s) * scale_2)): the exact weights `nvfp4_linear`
+/ `ExpertBank.dequantized` multiply with (FACTS 3 and 6; no lookup table); fp32 accumulation:
+- PLANES=0 (v1): packed bytes [BN, BK/16, 8] and e4m3 scales in stored order, low / high nibbles
+  decoded through the fp8 bit trick and interleaved by join + reshape; x tile [BM, BK]; one bf16
+  tensor-core dot per K step. Needs BK | in.
+- PLANES=1 (v2): int32 words [BN, BK / 8] (nibble i = element 8 * word + i) decoded into 8 planes
+  (plane i = elements 8 * word + i) through an fp16 bit pattern worth e2m1 * 2^-14; the x tile is
+  split into the same planes; 8 bf16 dots of K = BK / 8 per step; K tails masked.
+Compiled launches of decode-sized matrices time both decodes and several BN / warps / pipeline
+depths per shape on first use (autotune); elsewhere (interpreter, small shapes) PLANES=0 unless in
+is not a multiple of 128. Measured on the H200 (RESULTS.md, v2): the plane decode was 1.6x slower
+than v1's on the routed layer (8 shared-memory operand round trips per K step instead of 1).
 FUSE_GLU: w1 and w3 tiles share the x tile; epilogue act = swigluoai(bf16(gate), bf16(up)) -> bf16
-rows of `act` (padded order). Otherwise (down / plain linear): y = bf16(acc) * router weight (fp32)
-stored at the slot's row; the K slots of a token are summed by the caller in fp32.
+rows of `act` (padded order). Routed down pass: y = bf16(acc) * router weight (fp32) stored at the
+slot's row; the K slots of a token are summed by the caller in fp32. LINEAR: one weight matrix, rows
+in order, bf16 output, no grouping tensors at all (`nvfp4_linear_triton` is a single launch; v1 ran
+`_group_by_expert` for it, whose CUDA bincount synchronised with the host on every call, so v1's
+6144 x 6144 GEMV measured 867 us of mostly host launch gaps).
 
-The shared expert runs through the same kernels as a one-expert bank with weight 1 for every token
-(`nvfp4_mlp_triton`); the plain W4A16 linear (`nvfp4_linear_triton`) is the non-GLU pass alone.
+The shared expert (`nvfp4_mlp_triton`) runs as two LINEAR launches (fused gate/up, then down).
 
 Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
 BM/BN/BK tile sizes (rows, output features, reduction).
@@ -42,23 +51,103 @@ from model.kernels.triton_common import (
 
 BM = 16  # tokens per row block: the smallest tl.dot M; decode groups hold ~1-4 tokens
 PROGRAMS_PER_SM = 4
+F16_SHIFT: tl.constexpr = tl.constexpr(16384.0)  # e2m1 = fp16_bits(nibble) * 2^14, folded into the scale
 
 
 @triton.jit
-def _load_w_tile(w_ptr, s_ptr, offs_n, k0, stride_wn, stride_sn, sc2, BK: tl.constexpr, BN: tl.constexpr,
-                 HW: tl.constexpr):  # fmt: skip
-    """Weight rows offs_n, columns [k0, k0 + BK) -> bf16 [BN, BK] = bf16(e2m1 * (float(s) * scale_2))."""
+def _w_planes(w_ptrs, s_ptrs, is_w, sc2, HW: tl.constexpr):
+    """Packed weight words [BN, BW] (int32, 8 nibbles: nibble i = element 8 * word + i) and their
+    block-scale bytes (one per word, block = word // 2) -> 8 bf16 planes [BN, BW], plane i holding
+    bf16(e2m1 * (float(s) * scale_2)) of elements 8 * word + i: the exact weights of the reference.
+
+    Why planes: one 32-bit load brings 8 weights, each plane is 2 shifts + 1 and/or per element into
+    an fp16 bit pattern (e2m1 * 2^-14 exactly, subnormal 0.5 included), no join/reshape shuffles."""
+    w = tl.load(w_ptrs, mask=is_w, other=0)
+    s_bits = tl.load(s_ptrs, mask=is_w, other=0)
+    # fl(s * scale_2) as the reference rounds it; the 2^14 of the fp16 bit trick is exact on top.
+    s_eff = s_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc2 * F16_SHIFT
+    p0 = word_plane(w, 0, s_eff, HW)
+    p1 = word_plane(w, 1, s_eff, HW)
+    p2 = word_plane(w, 2, s_eff, HW)
+    p3 = word_plane(w, 3, s_eff, HW)
+    p4 = word_plane(w, 4, s_eff, HW)
+    p5 = word_plane(w, 5, s_eff, HW)
+    p6 = word_plane(w, 6, s_eff, HW)
+    p7 = word_plane(w, 7, s_eff, HW)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def word_plane(w, NIB: tl.constexpr, s_eff, HW: tl.constexpr):
+    """Nibble NIB of every word -> bf16(e2m1 * s_eff * 2^-14): magnitude bits to fp16 bits 9-11, sign
+    to bit 15 (fp16 value = e2m1 * 2^-14, exact)."""
+    if NIB < 3:
+        mag = (w << (9 - 4 * NIB)) & 0xE00
+    else:
+        mag = (w >> (4 * NIB - 9)) & 0xE00
+    sgn = (w >> (4 * NIB - 12)) & 0x8000 if NIB > 3 else (w << (12 - 4 * NIB)) & 0x8000
+    h = (mag | sgn).to(tl.int16).to(tl.float16, bitcast=True)
+    return f32_to_bf16(h.to(tl.float32) * s_eff, HW)
+
+
+@triton.jit
+def split_planes(x, ROWS: tl.constexpr, BW: tl.constexpr):
+    """[ROWS, 8 * BW] -> the 8 planes [ROWS, BW] of the NVFP4 word decode (plane i = columns
+    8 * word + i); register renames when each thread holds whole 8-element groups."""
+    x = tl.reshape(x, (ROWS, BW, 2, 2, 2))
+    xa0, xa1 = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))  # i = 4a + 2b + c: split a, then b, then c
+    xb00, xb01 = tl.split(tl.permute(xa0, (0, 1, 3, 2)))
+    xb10, xb11 = tl.split(tl.permute(xa1, (0, 1, 3, 2)))
+    x0, x1 = tl.split(xb00)
+    x2, x3 = tl.split(xb01)
+    x4, x5 = tl.split(xb10)
+    x6, x7 = tl.split(xb11)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_planes(x_rows, is_row, k0, is_k8, BM: tl.constexpr, BW: tl.constexpr):
+    """Activation tile x[:, k0:k0+8*BW], loaded contiguously (16-byte vectors), as 8 planes."""
+    offs_k = tl.arange(0, 8 * BW)
+    x = tl.load(x_rows[:, None] + k0 + offs_k[None, :], mask=is_row[:, None] & is_k8[None, :], other=0.0)
+    return split_planes(x, BM, BW)
+
+
+@triton.jit
+def _tile_dot(acc, x_rows, is_row, w_ptrs, s_ptrs, is_w, sc2, k0, is_k8, BM: tl.constexpr, BW: tl.constexpr,
+              HW: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] += x[:, k0:k0+BK] @ W[:, k0:k0+BK].T as 8 plane dots of K = BK / 8."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = _w_planes(w_ptrs, s_ptrs, is_w, sc2, HW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_rows, is_row, k0, is_k8, BM, BW)
+    acc = acc + dot_bf16(x0, tl.trans(p0), HW)
+    acc = acc + dot_bf16(x1, tl.trans(p1), HW)
+    acc = acc + dot_bf16(x2, tl.trans(p2), HW)
+    acc = acc + dot_bf16(x3, tl.trans(p3), HW)
+    acc = acc + dot_bf16(x4, tl.trans(p4), HW)
+    acc = acc + dot_bf16(x5, tl.trans(p5), HW)
+    acc = acc + dot_bf16(x6, tl.trans(p6), HW)
+    acc = acc + dot_bf16(x7, tl.trans(p7), HW)
+    return acc
+
+
+@triton.jit
+def _tile_dot_bytes(acc, x_rows, is_row, w_rows, s_rows, sc2, k0, BK: tl.constexpr, BN: tl.constexpr,
+                    HW: tl.constexpr):  # fmt: skip
+    """v1's tile: acc [BM, BN] += x[:, k0:k0+BK] @ W.T with W [BN, BK] decoded byte by byte (low /
+    high nibbles interleaved by join + reshape) into one bf16 dot of K = BK. No K-tail masking."""
     NB: tl.constexpr = BK // 16
     offs_g = tl.arange(0, NB)
     offs_j = tl.arange(0, 8)
-    packed = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + k0 // 2 + offs_g[None, :, None] * 8
-                     + offs_j[None, None, :])  # fmt: skip
-    s_bits = tl.load(s_ptr + offs_n[:, None] * stride_sn + k0 // 16 + offs_g[None, :])
-    # fl(s * scale_2) as the reference rounds it; the 2^6 of the bit trick is exact on top of it.
+    offs_k = tl.arange(0, BK)
+    x_mk = tl.load(x_rows[:, None] + k0 + offs_k[None, :], mask=is_row[:, None], other=0.0)
+    packed = tl.load(w_rows[:, None, None] + k0 // 2 + offs_g[None, :, None] * 8 + offs_j[None, None, :])
+    s_bits = tl.load(s_rows[:, None] + k0 // 16 + offs_g[None, :])
+    # fl(s * scale_2) as the reference rounds it; the 2^6 of the fp8 bit trick is exact on top of it.
     s_eff = s_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc2 * E2M1_FP8_SHIFT
     lo = e2m1_to_f32_x64(packed & 0xF) * s_eff[:, :, None]
     hi = e2m1_to_f32_x64(packed >> 4) * s_eff[:, :, None]
-    return f32_to_bf16(tl.reshape(tl.join(lo, hi), (BN, BK)), HW)
+    w_nk = f32_to_bf16(tl.reshape(tl.join(lo, hi), (BN, BK)), HW)
+    return acc + dot_bf16(x_mk, tl.trans(w_nk), HW)
 
 
 @triton.jit
@@ -68,41 +157,62 @@ def _nvfp4_moe_kernel(
     wa_ptr, sa_ptr, sc2a_ptr, wb_ptr, sb_ptr, sc2b_ptr,
     stride_we, stride_wn, stride_se, stride_sn,
     out_ptr, stride_om,
-    n_in, swiglu_alpha, swiglu_limit,
+    n_rows, n_out, n_in, n_mblocks, swiglu_alpha, swiglu_limit,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FUSE_GLU: tl.constexpr, GATHER_X: tl.constexpr, HW: tl.constexpr,
+    FUSE_GLU: tl.constexpr, GATHER_X: tl.constexpr, LINEAR: tl.constexpr, HW: tl.constexpr,
+    PLANES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    n_k = tl.where(e >= 0, n_in // BK, 0)  # unused blocks read nothing
-    e = tl.maximum(e, 0)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    slot_m = tl.load(rows_ptr + offs_m)
+    if LINEAR:  # one weight matrix, rows taken in order: no grouping tensors, no router weights
+        e = pid_m.to(tl.int64) * 0
+        n_k = tl.cdiv(n_in, BK)
+        slot_m = tl.where(offs_m < n_rows, offs_m, -1)
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        n_k = tl.where(e >= 0, tl.cdiv(n_in, BK), 0)  # unused blocks read nothing
+        e = tl.maximum(e, 0)
+        slot_m = tl.load(rows_ptr + offs_m)
     is_row = slot_m >= 0
     if GATHER_X:
         x_rows = x_ptr + (tl.maximum(slot_m, 0) // TOPK).to(tl.int64) * stride_xm
     else:
         x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    BW: tl.constexpr = BK // 8
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
+    offs_w = tl.arange(0, BW)
+    offs_k8 = tl.arange(0, BK)
+    # Word pointers (stride_wn in words) and the scale byte of each word (block = word // 2).
+    wa_ptrs = wa_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :]
+    sa_ptrs = sa_ptr + e * stride_se + offs_n[:, None] * stride_sn + offs_w[None, :] // 2
     sc2a = tl.load(sc2a_ptr + e)
-    wa = wa_ptr + e * stride_we
-    sa = sa_ptr + e * stride_se
     acc_a = tl.zeros((BM, BN), tl.float32)
     if FUSE_GLU:
+        wb_ptrs = wb_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_w[None, :]
+        sb_ptrs = sb_ptr + e * stride_se + offs_n[:, None] * stride_sn + offs_w[None, :] // 2
         sc2b = tl.load(sc2b_ptr + e)
-        wb = wb_ptr + e * stride_we
-        sb = sb_ptr + e * stride_se
         acc_b = tl.zeros((BM, BN), tl.float32)
+    # Byte view of the same rows for the v1 decode (PLANES=0).
+    wa_rows = (wa_ptr + e * stride_we + offs_n * stride_wn).to(tl.pointer_type(tl.uint8), bitcast=True)
+    sa_rows = sa_ptr + e * stride_se + offs_n * stride_sn
+    if FUSE_GLU:
+        wb_rows = (wb_ptr + e * stride_we + offs_n * stride_wn).to(tl.pointer_type(tl.uint8), bitcast=True)
+        sb_rows = sb_ptr + e * stride_se + offs_n * stride_sn
     for i in range(0, n_k):
         k0 = i * BK
-        x_mk = tl.load(x_rows[:, None] + k0 + offs_k[None, :], mask=is_row[:, None], other=0.0)
-        w_nk = _load_w_tile(wa, sa, offs_n, k0, stride_wn, stride_sn, sc2a, BK, BN, HW)
-        acc_a += dot_bf16(x_mk, tl.trans(w_nk), HW)
-        if FUSE_GLU:
-            w_nk = _load_w_tile(wb, sb, offs_n, k0, stride_wn, stride_sn, sc2b, BK, BN, HW)
-            acc_b += dot_bf16(x_mk, tl.trans(w_nk), HW)
+        if PLANES:
+            is_w = (k0 + offs_w * 8 < n_in)[None, :]  # K tails (n_in not a multiple of BK) read zeros
+            is_k8 = k0 + offs_k8 < n_in
+            acc_a = _tile_dot(acc_a, x_rows, is_row, wa_ptrs + i * BW, sa_ptrs + i * (BW // 2), is_w, sc2a,
+                              k0, is_k8, BM, BW, HW)  # fmt: skip
+            if FUSE_GLU:
+                acc_b = _tile_dot(acc_b, x_rows, is_row, wb_ptrs + i * BW, sb_ptrs + i * (BW // 2), is_w,
+                                  sc2b, k0, is_k8, BM, BW, HW)  # fmt: skip
+        else:
+            acc_a = _tile_dot_bytes(acc_a, x_rows, is_row, wa_rows, sa_rows, sc2a, k0, BK, BN, HW)
+            if FUSE_GLU:
+                acc_b = _tile_dot_bytes(acc_b, x_rows, is_row, wb_rows, sb_rows, sc2b, k0, BK, BN, HW)
 
     if FUSE_GLU:
         # swigluoai on the bf16-rounded projections, as the reference sees them.
@@ -111,11 +221,30 @@ def _nvfp4_moe_kernel(
         act = gate * tl.sigmoid(swiglu_alpha * gate) * (up + 1.0)
         o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(o_ptrs, f32_to_bf16(act, HW), mask=is_row[:, None])
+    elif LINEAR:
+        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, f32_to_bf16(acc_a, HW), mask=is_row[:, None])
     else:
         w_m = tl.load(router_w_ptr + tl.maximum(slot_m, 0), mask=is_row, other=0.0).to(tl.float32)
         y = f32_to_bf16(acc_a, HW).to(tl.float32) * w_m[:, None]
         o_ptrs = out_ptr + tl.maximum(slot_m, 0)[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(o_ptrs, y, mask=is_row[:, None])
+
+
+# Compiled (GPU) launches pick the output tile width and pipeline depth per shape by timing (first
+# call per (n_out, n_in, row blocks) only); the interpreter runs the fixed `_block_n` choice.
+# Both decodes are candidates: on the H200 (v2 run) the plane decode took 103 us for the 6144^2 GEMV
+# and 11.6 ms for the routed T=64 layer, where v1's byte decode had measured 7.4 ms.
+_TUNED_CONFIGS = [
+    triton.Config({"BN": bn, "PLANES": planes, "BK": bk}, num_warps=w, num_stages=st)
+    for bn, planes, bk, w, st in [
+        (16, 0, 128, 4, 3), (32, 0, 128, 4, 3), (64, 0, 128, 4, 3), (64, 0, 128, 8, 3),
+        (16, 1, 256, 4, 3), (32, 1, 256, 4, 4), (64, 1, 256, 4, 3),
+    ]
+]  # fmt: skip
+_nvfp4_moe_tuned = triton.autotune(_TUNED_CONFIGS, key=["n_out", "n_in", "n_mblocks", "n_rows"])(
+    _nvfp4_moe_kernel
+)
 
 
 def _group_by_expert(ids_S: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +253,9 @@ def _group_by_expert(ids_S: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     n_blocks = S // BM + min(S, n_experts)
     ids_S = ids_S.long()
     order_S = torch.argsort(ids_S, stable=True)
-    counts_E = torch.bincount(ids_S, minlength=n_experts)[:n_experts]
+    # scatter_add, not bincount: CUDA bincount reads the max id on the host (a sync per call).
+    counts_E = torch.zeros(n_experts, dtype=torch.long, device=ids_S.device)
+    counts_E.scatter_add_(0, ids_S, torch.ones_like(ids_S))
     padded_E = (counts_E + BM - 1) // BM * BM
     pad_start_E = torch.cumsum(padded_E, 0) - padded_E
     start_E = torch.cumsum(counts_E, 0) - counts_E
@@ -148,25 +279,38 @@ def _block_n(n_out: int, active_blocks: int, device: torch.device) -> int:
     return 16 if n_out % 16 == 0 else n_out
 
 
-def _launch(x, rows, block_expert, router_w, wa, wb, out, topk, fuse_glu, gather_x, alpha, limit):
+def _launch(x, rows, block_expert, router_w, wa, wb, out, topk, fuse_glu, gather_x, alpha, limit,
+            n_rows=0, linear=False):  # fmt: skip
     (wa_p, wa_s, wa_2), (wb_p, wb_s, wb_2) = wa, wb
-    E, N, KH = wa_p.shape
-    n_in = 2 * KH
-    bk = min(128, n_in)
-    active = min(rows.numel() // BM, E)
-    bn = _block_n(N, active, x.device)
-    grid = (block_expert.numel(), N // bn)
-    _nvfp4_moe_kernel[grid](
+    E, N, KW = wa_p.shape  # KW int32 words per row = in / 8
+    n_in = 8 * KW
+    n_mblocks = triton.cdiv(n_rows, BM) if linear else block_expert.numel()
+    args = (
         x, x.stride(0), rows, block_expert, router_w,
         wa_p, wa_s, wa_2, wb_p, wb_s, wb_2,
         wa_p.stride(0), wa_p.stride(1), wa_s.stride(0), wa_s.stride(1),
-        out, out.stride(0), n_in, alpha, limit,
-        TOPK=topk, BM=BM, BN=bn, BK=bk, FUSE_GLU=fuse_glu, GATHER_X=gather_x, HW=use_hw_casts(),
+        out, out.stride(0), n_rows, N, n_in, n_mblocks, alpha, limit,
     )  # fmt: skip
+    meta = dict(TOPK=topk, BM=BM, FUSE_GLU=fuse_glu, GATHER_X=gather_x, LINEAR=linear)
+    if use_hw_casts() and N % 64 == 0 and n_in % 256 == 0 and N * n_in >= 1 << 20:  # small: one compile
+        _nvfp4_moe_tuned[lambda m: (n_mblocks, N // m["BN"])](*args, **meta, HW=True)
+    else:
+        # Fixed choice: v1's byte decode where K tiles are whole, the masked plane decode otherwise
+        # (both paths therefore run in the interpreter tests).
+        active = n_mblocks if linear else min(rows.numel() // BM, E)
+        bn = _block_n(N, active, x.device)
+        planes = n_in % 128 != 0
+        _nvfp4_moe_kernel[(n_mblocks, N // bn)](
+            *args, **meta, BN=bn, BK=128, PLANES=planes, HW=use_hw_casts()
+        )
 
 
 def _parts(packed, scales, scale_2):
-    return packed, scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
+    """(packed viewed as int32 words [E, N, in / 8], scales as bytes, fp32 scale_2 [E])."""
+    packed = packed.contiguous()
+    if packed.storage_offset() % 4:
+        packed = packed.clone()
+    return packed.view(torch.int32), scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
 
 
 def moe_nvfp4_triton(
@@ -195,36 +339,41 @@ def moe_nvfp4_triton(
 
 def nvfp4_mlp_triton(x_TD: torch.Tensor, w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float,
                      swiglu_limit: float) -> torch.Tensor:  # fmt: skip
-    """One NVFP4 swigluoai MLP (the shared expert) on every token: a one-expert bank, weight 1."""
+    """One NVFP4 swigluoai MLP (the shared expert) on every token: two linear-mode launches (fused
+    gate/up, then down), no grouping tensors."""
     T = x_TD.shape[0]
-    ids = torch.zeros((T, 1), dtype=torch.int32, device=x_TD.device)
-    ones = torch.ones((T, 1), dtype=torch.float32, device=x_TD.device)
-    one = [tuple(t.unsqueeze(0) if i < 2 else t.reshape(1) for i, t in enumerate(w)) for w in (w1, w3, w2)]
-    return moe_nvfp4_triton(x_TD, ids, ones, *one, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    F = w1[0].shape[0]
+    one = [
+        _parts(*(t.unsqueeze(0) if i < 2 else t.reshape(1) for i, t in enumerate(w))) for w in (w1, w3, w2)
+    ]
+    act = torch.empty((T, F), dtype=torch.bfloat16, device=x_TD.device)
+    out = torch.empty_like(x_TD)
+    _launch(x_TD, x_TD, x_TD, x_TD, one[0], one[1], act, 1, True, False, swiglu_alpha, swiglu_limit,
+            n_rows=T, linear=True)  # fmt: skip
+    _launch(act, act, act, act, one[2], one[2], out, 1, False, False, 0.0, 0.0, n_rows=T, linear=True)
+    return out
 
 
 def nvfp4_linear_triton(x_TK: torch.Tensor, packed_NK2: torch.Tensor, scales_NK16: torch.Tensor,
                         scale_2: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """W4A16 y [T, N] = x @ dequant(W).T (bf16 x, fp32 accumulation, bf16 out): the GEMV pass alone."""
+    """W4A16 y [T, N] = x @ dequant(W).T (bf16 x, fp32 accumulation, bf16 out): one launch, no
+    other device work (decode GEMVs are a few microseconds: any extra op is a measurable share)."""
     T = x_TK.shape[0]
     N = packed_NK2.shape[0]
-    rows, block_expert = _group_by_expert(torch.zeros(T, dtype=torch.long, device=x_TK.device), 1)
-    ones = torch.ones(T, dtype=torch.float32, device=x_TK.device)
-    y = torch.empty((T, N), dtype=torch.float32, device=x_TK.device)
+    y = torch.empty((T, N), dtype=torch.bfloat16, device=x_TK.device)
     w = _parts(packed_NK2.unsqueeze(0), scales_NK16.unsqueeze(0), scale_2)
-    _launch(x_TK, rows, block_expert, ones, w, w, y, 1, False, True, 0.0, 0.0)
-    return y.to(x_TK.dtype)
+    _launch(x_TK, x_TK, x_TK, x_TK, w, w, y, 1, False, False, 0.0, 0.0, n_rows=T, linear=True)
+    return y
 
 
 def triton_moe_supported(x_TD: torch.Tensor, w1_packed: torch.Tensor, w2_packed: torch.Tensor) -> bool:
-    """bf16 activations and dims the tiles divide: D and F multiples of 16 with the K step
-    (min(128, dim)) a power of two dividing them."""
+    """bf16 activations and D, F multiples of 16 (whole scale blocks; K tails are masked, output
+    tiles are 16-wide at least)."""
     D, F = 2 * w1_packed.shape[2], w1_packed.shape[1]
-
-    def ok(n: int) -> bool:
-        bk = min(128, n)
-        return n % 16 == 0 and bk & (bk - 1) == 0 and n % bk == 0
-
     return (
-        x_TD.dtype == torch.bfloat16 and ok(D) and ok(F) and x_TD.stride(-1) == 1 and w2_packed.shape[1] == D
+        x_TD.dtype == torch.bfloat16
+        and D % 16 == 0
+        and F % 16 == 0
+        and x_TD.stride(-1) == 1
+        and w2_packed.shape[1] == D
     )

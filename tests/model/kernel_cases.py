@@ -158,6 +158,7 @@ def indexer_selects_like_reference(device):
         for C, page, lens, width, topk, local, init in [
             (32, 16, [5, 70, 33, 120], 8, 3, 1, 0),
             (64, 16, [100, 17, 64], 8, 4, 2, 1),
+            (128, 16, [40, 70], 5, 3, 1, 0),  # C = 128: NVFP4 keys take the word / plane decode
         ]:
             cpu, dev = _index_problem(dtype, C, page, lens, width, 2, gen, device)
             kw = dict(topk=topk, local_blocks=local, init_blocks=init)
@@ -239,14 +240,15 @@ def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, e
     return cpu, dev
 
 
-def _run_attention(dev, sel, *, force_bf16_dot=False):
+def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None):
     from model.kernels.triton_sparse_attention import sparse_attention_triton
 
     q, kv, table, seq, pos, _, _ = dev
     C = q.shape[-1]
     poison = torch.full_like(q, float("nan"))
     return sparse_attention_triton(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5,
-                                   force_bf16_dot=force_bf16_dot, out_THC=poison).float().cpu()  # fmt: skip
+                                   force_bf16_dot=force_bf16_dot, out_THC=poison,
+                                   sub_tile=sub_tile).float().cpu()  # fmt: skip
 
 
 _ATTN_SHAPES = [  # N, G, C, page, lens, width, K, rows_per (small T forces split-K + merge)
@@ -284,15 +286,16 @@ def attention_fp8_matches_emulated_reference(device):
 
     gen = torch.Generator().manual_seed(7)
     for dtype in ("fp8", "nvfp4"):
-        for N, G, C, page, lens, width, K, rows in [(1, 16, 64, 32, [100, 17], 4, 2, 1),
-                                                   (2, 4, 32, 32, [70, 150, 5], 5, 3, 2)]:  # fmt: skip
+        for N, G, C, page, lens, width, K, rows, sub in [(1, 16, 64, 32, [100, 17], 4, 2, 1, None),
+                                                        (2, 4, 32, 32, [70, 150, 5], 5, 3, 2, None),
+                                                        (1, 8, 32, 64, [150, 40], 3, 2, 1, 32)]:  # fmt: skip
             assert uses_fp8_dot(dtype, C, page)
             cpu, dev = _attn_problem(dtype, N, G, C, page, lens, width, K, rows, gen, device)
             q_emul, kv_emul = fp8_emulated(cpu[0], cpu[1])
             for is_dense in (False, True):
                 sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
                 want = sparse_attention_ref(q_emul, kv_emul, *cpu[2:6], sel_c, softmax_scale=C**-0.5).float()
-                got = _run_attention(dev, sel_d)
+                got = _run_attention(dev, sel_d, sub_tile=sub)  # sub < page: pages in two K/V tiles
                 err = (got - want).abs().max().item()
                 # Left: P rounded to e4m3 (relative 2^-4 per weight) and bf16 output rounding.
                 if not err <= 0.04 * want.abs().max().item():
