@@ -8,6 +8,10 @@ deltas through the bank's `lora` hook.
 How (inference on CUDA, or under TRITON_INTERPRET=1, for an NVFP4 bank with bf16 tokens, no
 adapter and no grad): the Triton W4A16 grouped kernels of `model.kernels.triton_moe` (fused
 gate/up + swigluoai, then down x router weight; weights decoded in registers, no host sync).
+How (training on CUDA, or under TRITON_INTERPRET=1: gradients needed or an expert adapter attached,
+NVFP4 bank, bf16 tokens): the grouped GEMMs of `model.kernels.triton_moe_train` (forward and
+backward, weights decoded in registers for x W^T and for dy W, ExpertLoRA's stacked factors fused
+into the same kernels, autograd-wired so gradients reach x, the router weights and the adapter).
 How (torch path, everywhere else): token-slots are sorted by expert, each expert runs once on
 its contiguous group (NVFP4 through `nvfp4_linear`, which dequantizes tile by tile), and the
 weighted results are scatter-added back in fp32. `moe_experts_ref` is the spec: a plain loop over
@@ -33,6 +37,7 @@ from model.kernels.nvfp4_linear import nvfp4_linear
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
     from model.kernels.triton_common import triton_available
     from model.kernels.triton_moe import moe_nvfp4_triton, triton_moe_supported
+    from model.kernels.triton_moe_train import moe_nvfp4_train, triton_moe_train_supported
 except ImportError:  # pragma: no cover - depends on the install
     triton_available = None
 from model.mxfp8 import dequantize_mxfp8
@@ -156,6 +161,44 @@ def _use_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, bank: ExpertBank) 
     )
 
 
+def _stacked_lora(bank: ExpertBank) -> tuple | None:
+    """(A1, B1, A3, B3, A2, B2, scaling) of an adapter that keeps its per-expert factors stacked
+    (`model.layers.lora.ExpertLoRA`: `w1/w2/w3.lora_A` [E, R, in], `.lora_B` [E, out, R]) and whose
+    dropout is inactive; None for any other hook (it then runs on the torch path)."""
+    lora = bank.lora
+    try:
+        factors = [getattr(getattr(lora, p), n) for p in ("w1", "w3", "w2") for n in ("lora_A", "lora_B")]
+        scaling = float(lora.scaling)
+        dropout = lora.lora_dropout
+    except AttributeError:
+        return None
+    if dropout.training and not isinstance(dropout, torch.nn.Identity):
+        return None  # dropout masks are not implemented in the kernel
+    if any(f.dim() != 3 for f in factors):
+        return None
+    return (*factors, scaling)
+
+
+def _use_triton_train(x_TD: torch.Tensor, weights_TK: torch.Tensor, bank: ExpertBank) -> tuple | None:
+    """The training kernels serve NVFP4 banks whenever a gradient is needed or an adapter is attached
+    (also without grad: the decode kernel has no adapter path); bf16 tokens (fp32 too under the
+    interpreter, for exact tests). Returns the LoRA argument of
+    `moe_nvfp4_train` ((), meaning none, or the factors), or None to use another path."""
+    needs_grad = torch.is_grad_enabled() and (x_TD.requires_grad or weights_TK.requires_grad)
+    if not (
+        triton_available is not None
+        and (needs_grad or bank.lora is not None)
+        and bank.fmt == "nvfp4"
+        and triton_available(x_TD)
+        and (x_TD.dtype == torch.bfloat16 or not x_TD.is_cuda)  # fp32 on a GPU: the exact torch path
+        and triton_moe_train_supported(x_TD, bank.w1_weight, bank.w2_weight)
+    ):
+        return None
+    if bank.lora is None:
+        return ()
+    return _stacked_lora(bank)
+
+
 def moe_experts(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
@@ -168,6 +211,14 @@ def moe_experts(
     n_tokens, top_k = topk_ids_TK.shape
     if n_tokens == 0 or top_k == 0:
         return x_TD.new_zeros(x_TD.shape) + 0.0 * topk_weights_TK.sum()  # keeps the graph connected
+    train_lora = _use_triton_train(x_TD, topk_weights_TK, bank)
+    if train_lora is not None:
+        return moe_nvfp4_train(
+            x_TD, topk_ids_TK, topk_weights_TK,
+            *((getattr(bank, f"{p}_weight"), getattr(bank, f"{p}_weight_scale"),
+               getattr(bank, f"{p}_weight_scale_2")) for p in ("w1", "w3", "w2")),
+            train_lora or None, swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
+        )  # fmt: skip
     if _use_triton(x_TD, topk_weights_TK, bank):
         return moe_nvfp4_triton(
             x_TD, topk_ids_TK, topk_weights_TK,

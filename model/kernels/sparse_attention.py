@@ -17,9 +17,18 @@ by tile; FP8 dots for FP8 / NVFP4 caches, bf16 dots for bf16; split over blocks 
 elsewhere (and for fp32 caches) the torch path. The FP8 path rounds q and P to e4m3: its output
 differs from this module's fp32 numerics by FP8 rounding (see that module).
 
+Training (full sequences, no cache): `sparse_attention_train_ref` is the spec of the learner's MSA
+attention over [B, S] rows (padding / packed sequences through `seq_ids`, selection per (row, KV
+group, token) from the indexer); `sparse_attention_train` dispatches it: the Triton forward/backward
+of `model.kernels.triton_msa_train` on CUDA (or under TRITON_INTERPRET=1), its FlexAttention twin
+on request (`backend="flex"`), the dense-mask reference elsewhere. An optional KV simulation
+rounds K/V as the cache would store them, straight-through (identity gradient).
+
 Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
 width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
 """
+
+from typing import Literal
 
 import torch
 
@@ -27,10 +36,21 @@ from model.kernels.indexer import check_varlen_args
 
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
     from model.kernels.triton_common import triton_available
+    from model.kernels.triton_msa_train import msa_train_flex, msa_train_triton, triton_msa_train_supported
     from model.kernels.triton_sparse_attention import sparse_attention_triton, triton_attention_supported
 except ImportError:  # pragma: no cover - depends on the install
     triton_available = None
-from model.kv_cache import GATHER_CHUNK_BYTES, PagedKV, dequantize_kv, gather_pages, gather_sequences
+from model.kv_cache import (
+    GATHER_CHUNK_BYTES,
+    KVDtype,
+    PagedKV,
+    dequantize_kv,
+    gather_pages,
+    gather_sequences,
+    kv_quant_dequant,
+)
+
+TrainBackend = Literal["auto", "triton", "flex", "torch"]
 
 
 def sparse_attention_ref(
@@ -165,3 +185,115 @@ def sparse_attention(
         q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, seq_lens_B, selected_TNK,
         softmax_scale=softmax_scale,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ training (full sequences)
+def sparse_attention_train_ref(
+    q_BSHC: torch.Tensor,
+    k_BSNC: torch.Tensor,
+    v_BSNC: torch.Tensor,
+    selected_BNSK: torch.Tensor,
+    seq_ids_BS: torch.Tensor,
+    positions_BS: torch.Tensor,
+    *,
+    block_size: int,
+    num_blocks: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The spec, dense: query t may attend key j iff same sequence (seq_ids >= 0), j <= t and key j's
+    block (positions[j] // block_size) is selected for (b, group, t). fp32 scores; empty rows -> 0.
+    Memory O(B * H * S^2): tests and small shapes only."""
+    B, S, H, _ = q_BSHC.shape
+    N = k_BSNC.shape[2]
+    G = H // N
+    sel = selected_BNSK.long()
+    keep_BNSB = torch.zeros((B, N, S, num_blocks + 1), dtype=torch.bool, device=q_BSHC.device)
+    keep_BNSB.scatter_(-1, sel.masked_fill(sel < 0, num_blocks), True)
+    is_tok_BS = seq_ids_BS >= 0
+    kblk_BS = torch.where(is_tok_BS, positions_BS // block_size, 0)
+    chosen_BNSS = keep_BNSB[..., :num_blocks].gather(-1, kblk_BS[:, None, None, :].expand(B, N, S, S))
+    t_S = torch.arange(S, device=q_BSHC.device)
+    same_BSS = (seq_ids_BS[:, :, None] == seq_ids_BS[:, None, :]) & is_tok_BS[:, None, :]
+    allowed_BNSS = chosen_BNSS & (same_BSS & (t_S[None, :] <= t_S[:, None]))[:, None]
+    allowed_BHSS = allowed_BNSS.repeat_interleave(G, dim=1)
+    k_BSHC = k_BSNC.float().repeat_interleave(G, dim=2)
+    v_BSHC = v_BSNC.float().repeat_interleave(G, dim=2)
+    scores_BHSS = torch.einsum("bshc,bjhc->bhsj", q_BSHC.float(), k_BSHC) * softmax_scale
+    has_BHS = allowed_BHSS.any(-1)
+    scores_BHSS = scores_BHSS.masked_fill(~allowed_BHSS, float("-inf")).masked_fill(~has_BHS[..., None], 0.0)
+    probs_BHSS = torch.softmax(scores_BHSS, dim=-1) * has_BHS[..., None]  # empty rows: 0, finite grads
+    return torch.einsum("bhsj,bjhc->bshc", probs_BHSS, v_BSHC).to(q_BSHC.dtype)
+
+
+def sparse_attention_train_supported(q_BSHC: torch.Tensor, k_BSNC: torch.Tensor, block_size: int) -> bool:
+    """Whether `sparse_attention_train(backend="auto")` runs a kernel (not the dense reference) here."""
+    return (
+        triton_available is not None
+        and triton_available(q_BSHC)
+        and triton_msa_train_supported(q_BSHC, k_BSNC, block_size)
+    )
+
+
+def sparse_attention_train(
+    q_BSHC: torch.Tensor,
+    k_BSNC: torch.Tensor,
+    v_BSNC: torch.Tensor,
+    selected_BNSK: torch.Tensor,
+    seq_ids_BS: torch.Tensor,
+    positions_BS: torch.Tensor,
+    *,
+    block_size: int,
+    num_blocks: int,
+    softmax_scale: float,
+    kv_sim_dtype: KVDtype | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    backend: TrainBackend = "auto",
+) -> torch.Tensor:
+    """MSA attention of full sequences -> [B, S, H, C]; differentiable w.r.t. q, k, v.
+
+    q_BSHC: normed + roped queries; k_BSNC / v_BSNC: keys / values; selected_BNSK: the indexer's
+    blocks per (row, KV group, token), -1 padded (no gradient); seq_ids_BS: sequence id per token
+    (-1 padding); positions_BS: positions restarting at 0 per packed sequence; num_blocks: an upper
+    bound on positions // block_size + 1. kv_sim_dtype: round K/V as a cache of that dtype would
+    (with k_scale / v_scale), straight-through. backend "auto": Triton where supported, else the
+    dense reference.
+    """
+    if q_BSHC.ndim != 4 or k_BSNC.ndim != 4 or k_BSNC.shape != v_BSNC.shape:
+        raise ValueError(f"q must be [B, S, H, C] and k, v [B, S, N, C] alike, got {tuple(q_BSHC.shape)}, "
+                         f"{tuple(k_BSNC.shape)}, {tuple(v_BSNC.shape)}")  # fmt: skip
+    B, S, H, C = q_BSHC.shape
+    N = k_BSNC.shape[2]
+    if k_BSNC.shape[:2] != (B, S) or k_BSNC.shape[3] != C or H % N:
+        raise ValueError(
+            f"k/v {tuple(k_BSNC.shape)} do not fit q {tuple(q_BSHC.shape)} (need [B, S, N, C], H % N == 0)"
+        )
+    if (
+        selected_BNSK.ndim != 4
+        or tuple(selected_BNSK.shape[:3]) != (B, N, S)
+        or selected_BNSK.is_floating_point()
+    ):
+        raise ValueError(f"selected_BNSK must be an integer [B={B}, N={N}, S={S}, K] tensor, got "
+                         f"{tuple(selected_BNSK.shape)} {selected_BNSK.dtype}")  # fmt: skip
+    if tuple(seq_ids_BS.shape) != (B, S) or tuple(positions_BS.shape) != (B, S):
+        raise ValueError(f"seq_ids_BS and positions_BS must be [B={B}, S={S}], got "
+                         f"{tuple(seq_ids_BS.shape)}, {tuple(positions_BS.shape)}")  # fmt: skip
+    if backend not in ("auto", "triton", "flex", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton', 'flex' or 'torch', got {backend!r}")
+    if kv_sim_dtype is not None:
+        if k_scale is None or v_scale is None:
+            raise ValueError("kv_sim_dtype needs k_scale and v_scale (the cache's dequant scales)")
+        k_BSNC = k_BSNC + (kv_quant_dequant(k_BSNC.detach(), kv_sim_dtype, k_scale) - k_BSNC).detach()
+        v_BSNC = v_BSNC + (kv_quant_dequant(v_BSNC.detach(), kv_sim_dtype, v_scale) - v_BSNC).detach()
+    args = (q_BSHC, k_BSNC, v_BSNC, selected_BNSK, seq_ids_BS, positions_BS)
+    kw = dict(block_size=block_size, num_blocks=num_blocks, softmax_scale=softmax_scale)
+    if backend == "auto":
+        backend = "triton" if sparse_attention_train_supported(q_BSHC, k_BSNC, block_size) else "torch"
+    if backend == "triton":
+        if triton_available is None or not triton_msa_train_supported(q_BSHC, k_BSNC, block_size):
+            raise ValueError(f"backend='triton' does not support q {q_BSHC.dtype} {tuple(q_BSHC.shape)}, "
+                             f"block_size {block_size} here (see triton_msa_train_supported)")  # fmt: skip
+        return msa_train_triton(*args, **kw)
+    if backend == "flex":
+        return msa_train_flex(*args, **kw)
+    return sparse_attention_train_ref(*args, **kw)

@@ -5,7 +5,9 @@ What: one `Attention` module per layer with two entry points.
   sequences (`seq_ids_BS`, -1 = padding; tokens see only their own sequence), and optional
   simulation of the KV cache's rounding so the learner attends to exactly what the engine's
   cache holds. Implemented as dense scores + a block mask over query chunks (memory
-  O(B * H * query_chunk * S), compute O(S^2)): fine for training at moderate lengths. A sequence
+  O(B * H * query_chunk * S), compute O(S^2)): fine for training at moderate lengths; sparse
+  layers on CUDA (or under TRITON_INTERPRET=1) run `sparse_attention_train`'s block-sparse
+  kernels instead (same selection, same result up to summation order). A sequence
   must start at position 0 within the batch row for its selection to equal the engine's (the
   blocks of an absent prefix would still be candidates and forced init blocks).
 - `forward_cached` (engine): flattened varlen tokens of several sequences; appends K/V (and
@@ -37,7 +39,11 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.kernels.indexer import index_select_blocks, select_blocks
-from model.kernels.sparse_attention import sparse_attention
+from model.kernels.sparse_attention import (
+    sparse_attention,
+    sparse_attention_train,
+    sparse_attention_train_supported,
+)
 from model.kv_cache import DEFAULT_KV_SCALE, KVCache, KVDtype, check_kv_dtype, kv_quant_dequant, slot_mapping
 from model.layers.norm import RMSNorm
 from model.layers.rope import apply_rope, rope_cos_sin
@@ -194,6 +200,18 @@ class Attention(nn.Module):
         if self.is_sparse:
             NB = int(block_BS.max()) + 1  # SYNC: sizes the block tensors, once per layer call
             index_k = self._round_index_keys(index_k.detach(), index_sim_dtype)
+        if self.is_sparse and sparse_attention_train_supported(q, k, self.block_size):
+            # Block-sparse kernels (CUDA, or the interpreter): only the selected key tiles are visited.
+            chunks = [slice(q0, min(S, q0 + self.query_chunk)) for q0 in range(0, S, self.query_chunk)]
+            with torch.no_grad():  # selection is discrete: nothing to differentiate
+                selected_BNSK = torch.cat([
+                    self._select(index_q[:, r], index_k, self._visibility(seq_ids_BS, r), block_BS, r, NB)
+                    for r in chunks
+                ], dim=2)  # fmt: skip
+            out_BSHC = sparse_attention_train(q, k, v, selected_BNSK, seq_ids_BS, positions_BS,
+                                              block_size=self.block_size, num_blocks=NB,
+                                              softmax_scale=self.softmax_scale)  # fmt: skip
+            return self.o_proj(out_BSHC.reshape(B, S, self.num_heads * self.head_dim))
         out_parts = []
         for q0 in range(0, S, self.query_chunk):  # memory O(B * H * chunk * S), not O(B * H * S^2)
             rows = slice(q0, min(S, q0 + self.query_chunk))
