@@ -26,7 +26,11 @@ port's `self_attn.indexer.q_proj`.
 
 Invariants: save -> read gives bit-identical tensors in the adapter's own dtype; a loaded adapter
 whose rank, targets or tensor shapes do not fit the model, or whose recorded base fingerprint
-differs, is refused with an error naming the field.
+differs, is refused with an error naming the field. `save_adapter` writes `checksums.json`
+(model/integrity.py: sha256 of adapter_model.safetensors) after the weights; `read_adapter`
+verifies it before parsing the weights, so a truncated or bit-flipped file is refused by name
+(adapters without the manifest, e.g. from PEFT, load with one warning). The JSON files are not
+checksummed: they are human-editable and validated field by field instead.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.integrity import MANIFEST_FILE, IntegrityError, fsync_path, verify_manifest, write_manifest
 from model.layers.lora import ExpertLoRA, LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
 
 CONFIG_FILE = "adapter_config.json"
@@ -165,8 +170,8 @@ def save_adapter(
     tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the adapter of `model` (or the given `lora_state_dict` tensors, e.g. a sync update) to
-    `path`. Files are written to temporary names and renamed, the config last, so a reader never
-    sees half an adapter."""
+    `path`. Files are written to temporary names, fsynced and renamed, the config and then the
+    checksum manifest last, so a reader never sees half an adapter."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if tensors is None:
@@ -183,13 +188,16 @@ def save_adapter(
         METADATA_FILE: json.dumps(asdict(meta), indent=2),
         CONFIG_FILE: json.dumps(peft_config_dict(cfg, base_model_name_or_path), indent=2),
     }
+    (path / MANIFEST_FILE).unlink(missing_ok=True)  # an older adapter's: its weights are replaced now
     for fname, text in files.items():
         tmp = path / f".{fname}.tmp"
         if text is None:
             save_file({k: v.cpu() for k, v in to_peft_tensors(tensors).items()}, str(tmp), {"format": "pt"})
         else:
             tmp.write_text(text)
+        fsync_path(tmp)
         os.replace(tmp, path / fname)
+    write_manifest(path, [WEIGHTS_FILE])
     return path
 
 
@@ -198,12 +206,18 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
     PEFT LoRA without unsupported features, and every tensor's rank equal to the config's r."""
     path = Path(path)
     for fname in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (path / fname).exists():
+        if not (path / fname).is_file():
             raise AdapterError(f"{path}: no {fname}; is this a PEFT adapter directory?")
     try:
+        verify_manifest(path, [WEIGHTS_FILE], what="adapter")
+    except IntegrityError as e:
+        raise AdapterError(str(e)) from None
+    try:
         raw = json.loads((path / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{path / CONFIG_FILE}: invalid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path / CONFIG_FILE}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path / CONFIG_FILE}: must be a JSON object, got {type(raw).__name__}")
     if raw.get("peft_type") != "LORA":
         raise AdapterError(
             f"{path / CONFIG_FILE}: peft_type={raw.get('peft_type')!r}, only 'LORA' is supported"
@@ -213,23 +227,22 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
             raise AdapterError(f"{path / CONFIG_FILE}: {key}={raw[key]!r} is not supported (need {ok!r})")
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise AdapterError(f"{path / CONFIG_FILE}: rank_pattern / alpha_pattern are not supported")
-    meta = AdapterMetadata()
-    if (path / METADATA_FILE).exists():
-        try:
-            meta = AdapterMetadata(**json.loads((path / METADATA_FILE).read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise AdapterError(f"{path / METADATA_FILE}: not valid adapter metadata ({e})") from e
+    meta = _read_metadata(path / METADATA_FILE) if (path / METADATA_FILE).exists() else AdapterMetadata()
     targets = raw.get("target_modules") or []
     if isinstance(targets, str):
         raise AdapterError(f"{path / CONFIG_FILE}: target_modules as a regex ({targets!r}) is not supported")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(
+            f"{path / CONFIG_FILE}: target_modules must be a list of module names: {targets!r}"
+        )
     try:
         cfg = LoRAConfig(
             r=raw.get("r"), alpha=raw.get("lora_alpha"), dropout=raw.get("lora_dropout", 0.0),
             target_modules=logical_targets(targets), routed_experts=meta.routed_experts,
             dtype=meta.adapter_dtype,
         )  # fmt: skip
-    except ValueError as e:
-        raise AdapterError(f"{path / CONFIG_FILE}: {e}") from e
+    except (ValueError, TypeError) as e:
+        raise AdapterError(f"{path / CONFIG_FILE}: {e}") from None
     try:
         tensors = from_peft_tensors(load_file(str(path / WEIGHTS_FILE)))
     except AdapterError:
@@ -239,10 +252,39 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
             f"{path / WEIGHTS_FILE}: cannot read ({e}); the file is truncated or corrupt"
         ) from e
     for name, t in tensors.items():
+        if t.dim() < 2 or not t.is_floating_point():
+            raise AdapterError(
+                f"{path}: {name} is a {t.dtype} tensor of shape {tuple(t.shape)}, not a LoRA factor"
+            )
         rank = t.shape[-2] if name.endswith(("lora_A.weight", "lora_A")) else t.shape[-1]
         if rank != cfg.r:
             raise AdapterError(f"{path}: {name} has rank {rank} but adapter_config.json says r={cfg.r}")
     return cfg, tensors, meta
+
+
+# Field -> accepted types of adapter_metadata.json (checked: the file may come from anywhere).
+_METADATA_TYPES: dict[str, tuple[type, ...]] = {
+    "base_fingerprint": (str, type(None)), "base_config": (dict, type(None)), "base_dtype": (str, type(None)),
+    "routed_experts": (bool,), "adapter_dtype": (str,), "step": (int, type(None)), "metrics": (dict,),
+    "extra": (dict,),
+}  # fmt: skip
+
+
+def _read_metadata(file: Path) -> AdapterMetadata:
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{file}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{file}: must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_METADATA_TYPES))
+    if unknown:
+        raise AdapterError(f"{file}: unknown field(s) {unknown}; valid: {sorted(_METADATA_TYPES)}")
+    for key, value in raw.items():
+        if not isinstance(value, _METADATA_TYPES[key]) or (key == "step" and isinstance(value, bool)):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in _METADATA_TYPES[key])
+            raise AdapterError(f"{file}: field {key!r} must be {names}, got {type(value).__name__}")
+    return AdapterMetadata(**raw)
 
 
 def load_adapter(

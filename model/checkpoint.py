@@ -22,6 +22,12 @@ bit for bit.
 
 Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
 unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
+
+Integrity: `ShardWriter.close()` writes the index, then `checksums.json` (sha256 + size of every
+shard, model/integrity.py) last, atomically; readers (`iter_tensors`, hence `load_model` and
+`model.convert`) verify the shards they are about to read against it first, so a truncated or
+bit-flipped shard fails with the file named instead of loading wrong weights. Directories without
+a manifest (older or upstream checkpoints) load with one warning.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from safetensors.torch import save_file
 
 from model import nvfp4
 from model.config import ModelConfig
+from model.integrity import IntegrityError, fsync_path, verify_manifest, write_manifest
 from model.layers.attention import Attention
 from model.modeling import MiniMaxM3ForCausalLM
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
@@ -90,11 +97,28 @@ def _keys(file: Path) -> list[str]:
         ) from e
 
 
-def iter_tensors(
-    path: str | os.PathLike, device: str | torch.device = "cpu"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs shard by shard; one tensor is resident at a time."""
+def verify_shards(path: str | os.PathLike) -> bool:
+    """Check every shard of the checkpoint at `path` against its checksums.json. True: verified;
+    False: no manifest (older checkpoint, warned once); CheckpointError naming the bad shard."""
     path = Path(path)
+    if not (path / INDEX_FILE).exists() and (path / SINGLE_FILE).exists():
+        shards = {SINGLE_FILE}  # before parsing its header, which a damaged file may break
+    else:
+        shards = {f.name for f in _shard_files(path).values()}
+    try:
+        return verify_manifest(path, shards, what="model checkpoint")
+    except IntegrityError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def iter_tensors(
+    path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs shard by shard; one tensor is resident at a time. `verify`
+    first checks the shards' checksums (one extra read of the files; see `verify_shards`)."""
+    path = Path(path)
+    if verify:
+        verify_shards(path)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in _shard_files(path).items():
         by_file[file].append(name)
@@ -148,11 +172,13 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: ModelConfig | None = None,
+    verify: bool = True,
 ) -> MiniMaxM3ForCausalLM:
     """Load a checkpoint directory written by `save_model`, `model.convert` or upstream.
 
     `config` overrides the directory's config.json, e.g. to quantize bf16 experts to NVFP4 while
     loading (the bank quantizes each expert as it arrives: the bf16 bank never exists whole).
+    `verify` checks the shards against checksums.json before reading any weight.
     """
     path = Path(path)
     cfg = config or ModelConfig.from_pretrained(path)
@@ -175,7 +201,7 @@ def load_model(
     unexpected: list[str] = []
     banks = dict(_banks(model))
 
-    for raw_name, tensor in iter_tensors(path, device="cpu"):
+    for raw_name, tensor in iter_tensors(path, device="cpu", verify=verify):
         name = _canonical(raw_name)
         if name.startswith(_SKIPPED_PREFIXES):
             continue
@@ -317,8 +343,9 @@ def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Ten
 
 class ShardWriter:
     """Streams tensors into `model-NNNNN.safetensors` shards of about `max_shard_bytes`, each written
-    to a temp name and renamed; `close()` writes `model.safetensors.index.json` last, so a reader
-    never sees an index that points at a missing or partial shard."""
+    to a temp name, fsynced and renamed; `close()` writes `model.safetensors.index.json`, then the
+    shards' checksum manifest, so a reader never sees an index that points at a missing or partial
+    shard, nor a manifest for shards that are not complete."""
 
     def __init__(self, path: Path, max_shard_bytes: int = 2 << 30):
         self.path, self.max_shard_bytes = path, max_shard_bytes
@@ -342,6 +369,7 @@ class ShardWriter:
         fname = f"model-{self._count:05d}.safetensors"
         tmp = self.path / f".{fname}.tmp"
         save_file(self._shard, str(tmp), metadata={"format": "pt"})
+        fsync_path(tmp)
         os.replace(tmp, self.path / fname)
         for name in self._shard:
             self._weight_map[name] = fname
@@ -357,6 +385,7 @@ class ShardWriter:
         tmp = self.path / f".{INDEX_FILE}.tmp"
         tmp.write_text(json.dumps(index, indent=2))
         os.replace(tmp, self.path / INDEX_FILE)
+        write_manifest(self.path, set(self._weight_map.values()))
 
 
 def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:

@@ -27,10 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -43,6 +41,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.integrity import describe_mismatch, file_sha256, fsync_path
+
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
@@ -51,6 +51,7 @@ JSON_FILE = "state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PLAIN = (int, float, bool, str, type(None))
+_KINDS = ("safetensors", "json", "torch")
 
 
 class CheckpointError(ValueError):
@@ -97,22 +98,6 @@ def _check_plain_key(key: Any, where: str) -> None:
         raise TypeError(f"checkpoint entry {where} has a {type(key).__name__} dict key {key!r}")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------- save
 def save_checkpoint(
     run_dir: str | Path, step: int, state: Mapping[str, Any], keep_last: int | None = 3
@@ -148,12 +133,12 @@ def save_checkpoint(
 
     files = {}
     for p in sorted(tmp.iterdir()):
-        _fsync(p)
-        files[p.name] = {"sha256": _sha256(p), "bytes": p.stat().st_size}
+        fsync_path(p)
+        files[p.name] = {"sha256": file_sha256(p), "bytes": p.stat().st_size}
     manifest = {"format": FORMAT_VERSION, "step": int(step), "time": time.time(), "entries": entries}
     manifest["files"] = files
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    _fsync(tmp / MANIFEST)
+    fsync_path(tmp / MANIFEST)
 
     final = root / f"step-{step}"
     if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
@@ -163,7 +148,7 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    _fsync(root)  # make the rename itself durable
+    fsync_path(root)  # make the rename itself durable
     if keep_last is not None:
         for old_ckpt in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old_ckpt)
@@ -195,13 +180,24 @@ def find_latest(run_dir: str | Path) -> Path | None:
 
 # ---------------------------------------------------------------------------------------- load
 def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint directory, its structure checked (a damaged manifest
+    that still parses as JSON is as unusable as one that does not)."""
     mpath = Path(path) / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST}: not a checkpoint, or an unfinished one")
     try:
-        return json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+        manifest = json.loads(mpath.read_text())
+        files, entries = manifest["files"], manifest["entries"]
+        ok = isinstance(files, dict) and all(isinstance(v, dict) for v in files.values())
+        ok = ok and isinstance(entries, dict) and all(
+            isinstance(e, dict) and e.get("kind") in _KINDS and e.get("file") in files
+            for e in entries.values()
+        )  # fmt: skip
+        if not ok:
+            raise ValueError("'files' / 'entries' do not have the written structure")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({type(e).__name__}: {e})") from None
+    return manifest
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -209,11 +205,11 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     manifest = read_manifest(path)
     for name, info in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
+        if not (path / name).is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
-        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
-            raise CheckpointError(f"{path}: file {name} is corrupted (sha256 does not match the manifest)")
+        problem = describe_mismatch(path / name, info)
+        if problem is not None:
+            raise CheckpointError(f"{path}: file {name} {problem}; the checkpoint is truncated or corrupt")
     return manifest
 
 
@@ -221,16 +217,20 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Verify checksums, then return the state exactly as it was saved."""
     path = Path(path)
     manifest = verify_checkpoint(path)
-    json_state = json.loads((path / JSON_FILE).read_text()) if (path / JSON_FILE).is_file() else {}
     state: dict[str, Any] = {}
-    for name, entry in manifest["entries"].items():
-        kind, f = entry["kind"], path / entry["file"]
-        if kind == "safetensors":
-            state[name] = load_file(str(f), device=str(map_location))
-        elif kind == "torch":
-            state[name] = torch.load(f, map_location=map_location, weights_only=True)
-        else:
-            state[name] = json_state[name]
+    name = JSON_FILE
+    try:  # verified bytes that still fail to parse mean a bug or a forged manifest: report, never crash
+        json_state = json.loads((path / JSON_FILE).read_text()) if (path / JSON_FILE).is_file() else {}
+        for name, entry in manifest["entries"].items():
+            kind, f = entry["kind"], path / entry["file"]
+            if kind == "safetensors":
+                state[name] = load_file(str(f), device=str(map_location))
+            elif kind == "torch":
+                state[name] = torch.load(f, map_location=map_location, weights_only=True)
+            else:
+                state[name] = json_state[name]
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read entry {name!r} ({type(e).__name__}: {e})") from e
     return state
 
 

@@ -10,6 +10,12 @@ Why this shape: records are typed dataclasses (they cross Ray actor boundaries);
 first as the recipes say, but offline machines fall back, with a logged message, to a local verl-style
 parquet (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}).
 
+Malformed rows never crash a run: a row that is not a mapping, has no usable user message (missing,
+wrong type, empty, not encodable as UTF-8, longer than `MAX_PROMPT_CHARS`), or no string ground
+truth is skipped and counted by reason (`SkipReason`); `build_datasets` attaches the counts to the
+stream (`PromptStream.skipped_rows`) and `skipped_row_metrics` turns them into `data/skipped_rows`
+metrics. Only a dataset left with no usable row is an error, and it names the reasons.
+
 Invariants: uids are stable across runs (derived from the problem text) and unique within a dataset
 (prompts are deduplicated by problem text); a batch never holds the same uid twice (an epoch's
 remainder smaller than a batch is skipped); arithmetic train and eval problems are disjoint for
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,15 @@ Split = Literal["train", "eval"]
 # Arithmetic problems whose crc32 % EVAL_MODULUS == 0 form the eval split (10%).
 EVAL_MODULUS = 10
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, larger ones sampled
+# A prompt longer than this (characters, before templating) is skipped before it is tokenized: real
+# math problems are a few thousand characters at most, and tokenizing megabytes would stall loading.
+MAX_PROMPT_CHARS = 1 << 16
+MAX_ANSWER_CHARS = 1024  # mirrors rl.rewards.MAX_TRUTH_CHARS: a longer reference could never be matched
+SkipReason = Literal[
+    "not_a_mapping", "bad_prompt", "no_user_message", "empty_prompt", "prompt_too_long",
+    "prompt_not_utf8", "missing_answer", "answer_not_string", "empty_answer", "answer_too_long",
+    "prompt_too_many_tokens",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,30 +100,84 @@ def _check_columns(columns: Iterable[str], where: str) -> None:
         )
 
 
+def _row_problem_and_truth(row: Any, max_prompt_chars: int) -> tuple[str, str] | SkipReason:
+    """(bare problem, ground truth) of a verl-style row, or why the row is unusable."""
+    if not isinstance(row, Mapping):
+        return "not_a_mapping"
+    messages = row.get("prompt")
+    if not isinstance(messages, list | tuple) or not all(isinstance(m, Mapping) for m in messages):
+        return "bad_prompt"
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users:
+        return "no_user_message"
+    content = users[-1].get("content")
+    if not isinstance(content, str):
+        return "bad_prompt"
+    if len(content) > max_prompt_chars:
+        return "prompt_too_long"
+    try:
+        content.encode("utf-8")  # lone surrogates cannot be hashed into a uid nor tokenized
+    except UnicodeEncodeError:
+        return "prompt_not_utf8"
+    problem = strip_dapo_template(content)
+    if not problem:
+        return "empty_prompt"
+    reward_model = row.get("reward_model")
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+    if truth is None:
+        return "missing_answer"
+    if not isinstance(truth, str):
+        return "answer_not_string"
+    if not truth.strip():
+        return "empty_answer"
+    if len(truth) > MAX_ANSWER_CHARS:
+        return "answer_too_long"
+    return problem, truth
+
+
 def records_from_rows(
-    rows: Iterable[Mapping[str, Any]], default_source: str, uid_prefix: str
+    rows: Iterable[Any],
+    default_source: str,
+    uid_prefix: str,
+    *,
+    skipped: Counter | None = None,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
 ) -> list[Prompt]:
     """verl-style rows -> DAPO-templated `Prompt`s, deduplicated by problem text (first kept).
-    The problem is the last user message, system messages (e.g. Qwen's \\boxed{} prompt) dropped."""
-    out, seen = [], set()
+    The problem is the last user message, system messages (e.g. Qwen's \\boxed{} prompt) dropped.
+    Malformed rows are skipped, counted by reason into `skipped` and summarised in one warning."""
+    out, seen, bad = [], set(), Counter()
+    n_rows = 0
     for row in rows:
-        users = [m for m in row["prompt"] if m["role"] == "user"]
-        if not users:
-            raise ValueError(f"row without a user message in {uid_prefix} data: {row['prompt']!r}")
-        truth = (row["reward_model"] or {}).get("ground_truth")
-        if truth is None:
-            raise ValueError(
-                f"row without reward_model.ground_truth in {uid_prefix} data: {row['reward_model']!r}"
-            )
-        problem = strip_dapo_template(users[-1]["content"])
+        n_rows += 1
+        parsed = _row_problem_and_truth(row, max_prompt_chars)
+        if isinstance(parsed, str):
+            bad[parsed] += 1
+            continue
+        problem, truth = parsed
         if problem in seen:
             continue
         seen.add(problem)
         messages = [{"role": "user", "content": dapo_template(problem)}]
+        source = row.get("data_source")
         out.append(
-            Prompt(_uid(uid_prefix, problem), messages, str(truth), row.get("data_source") or default_source)
-        )
+            Prompt(_uid(uid_prefix, problem), messages, truth, source if isinstance(source, str) and source
+                   else default_source)
+        )  # fmt: skip
+    if bad:
+        log.warning(
+            "%s data: skipped %d of %d rows as malformed (%s)", uid_prefix, sum(bad.values()), n_rows,
+            ", ".join(f"{k}: {v}" for k, v in sorted(bad.items())),
+        )  # fmt: skip
+        if skipped is not None:
+            skipped.update(bad)
     return out
+
+
+def skipped_row_metrics(skipped: Mapping[str, int]) -> dict[str, float]:
+    """`data/skipped_rows` (total) and `data/skipped_rows/<reason>` for the trainer's log."""
+    return {"data/skipped_rows": float(sum(skipped.values())),
+            **{f"data/skipped_rows/{k}": float(v) for k, v in sorted(skipped.items())}}  # fmt: skip
 
 
 def read_parquet_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -151,17 +221,23 @@ def _load_rows(hub: str | None, path: str | Path | None, what: str) -> Iterable[
     return read_parquet_rows(path)
 
 
-def load_dapo_math(train_path: str | Path | None = None, hub: str | None = DAPO_HUB) -> list[Prompt]:
+def load_dapo_math(
+    train_path: str | Path | None = None, hub: str | None = DAPO_HUB, skipped: Counter | None = None
+) -> list[Prompt]:
     """DAPO-Math-17K: the hub dataset (which repeats its 17.9K unique rows ~100x), else the local
     parquet; deduplicated by problem text, each problem wrapped in DAPO's template.
     Tip: without network, HF_HUB_OFFLINE=1 skips the hub's ~20 s of retries."""
-    return records_from_rows(_load_rows(hub, train_path, "DAPO-Math-17K"), "DAPO-17k", "dapo")
+    return records_from_rows(
+        _load_rows(hub, train_path, "DAPO-Math-17K"), "DAPO-17k", "dapo", skipped=skipped
+    )
 
 
-def load_aime_2024(path: str | Path | None = None, hub: str | None = None) -> list[Prompt]:
+def load_aime_2024(
+    path: str | Path | None = None, hub: str | None = None, skipped: Counter | None = None
+) -> list[Prompt]:
     """AIME-2024 (verl-style rows), re-templated like the training prompts: the Qwen \\boxed{}
     system prompt is dropped and the problem wrapped in DAPO's "Answer:" template."""
-    return records_from_rows(_load_rows(hub, path, "AIME-2024"), "aime_2024", "aime2024")
+    return records_from_rows(_load_rows(hub, path, "AIME-2024"), "aime_2024", "aime2024", skipped=skipped)
 
 
 # --------------------------------------------------------------------------- synthetic arithmetic
@@ -234,6 +310,9 @@ class PromptStream:
         self.batch_size, self.seed = batch_size, seed
         self.epoch, self.pos = 0, 0
         self._order = self._permutation(0)
+        # Rows dropped while building the datasets, by reason (filled by build_datasets; see
+        # skipped_row_metrics). Not part of the cursor: the same data gives the same counts.
+        self.skipped_rows: Counter = Counter()
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
@@ -271,8 +350,11 @@ class PromptStream:
         self._order = self._permutation(self.epoch)
 
 
-def filter_prompt_length(records: Sequence[Prompt], tokenizer: Any, max_tokens: int) -> list[Prompt]:
-    """Drop prompts longer than `max_tokens` once chat-templated and tokenized (logged)."""
+def filter_prompt_length(
+    records: Sequence[Prompt], tokenizer: Any, max_tokens: int, skipped: Counter | None = None
+) -> list[Prompt]:
+    """Drop prompts longer than `max_tokens` once chat-templated and tokenized (logged, and counted
+    as `prompt_too_many_tokens` into `skipped`)."""
     kept = [
         p for p in records if len(tokenizer.encode(tokenizer.apply_chat_template(p.messages))) <= max_tokens
     ]
@@ -283,6 +365,8 @@ def filter_prompt_length(records: Sequence[Prompt], tokenizer: Any, max_tokens: 
             len(records),
             max_tokens,
         )
+        if skipped is not None:
+            skipped["prompt_too_many_tokens"] += len(records) - len(kept)
     return kept
 
 
@@ -291,18 +375,29 @@ def build_datasets(
 ) -> tuple[PromptStream, list[Prompt]]:
     """(train stream, eval prompts) for an rl.config.DataSection. `data.seed` fixes which synthetic
     problems exist; `seed` (the trainer's) fixes the order they are served in. With a `tokenizer`,
-    prompts over `data.max_prompt_tokens` tokens are dropped from both."""
+    prompts over `data.max_prompt_tokens` tokens are dropped from both. Rows skipped from either
+    split are counted in the stream's `skipped_rows`."""
+    skipped: Counter = Counter()
     if data.kind == "arithmetic":
         common = {"seed": data.seed, "max_operand": data.max_operand, "ops": list(data.ops)}
         train = arithmetic_dataset(data.num_train, split="train", **common)
         evals = arithmetic_dataset(data.num_eval, split="eval", **common)
     elif data.kind == "dapo_math":
-        train = load_dapo_math(data.train_path, hub=data.hub_train)
+        train = load_dapo_math(data.train_path, hub=data.hub_train, skipped=skipped)
         has_eval = data.eval_path is not None or data.hub_eval is not None
-        evals = load_aime_2024(data.eval_path, hub=data.hub_eval) if has_eval else []
+        evals = load_aime_2024(data.eval_path, hub=data.hub_eval, skipped=skipped) if has_eval else []
     else:
         raise ValueError(f"unknown data.kind {data.kind!r}; valid: arithmetic, dapo_math")
     if tokenizer is not None:
-        train = filter_prompt_length(train, tokenizer, data.max_prompt_tokens)
-        evals = filter_prompt_length(evals, tokenizer, data.max_prompt_tokens)
-    return PromptStream(train, batch_size=batch_size, seed=seed), evals
+        train = filter_prompt_length(train, tokenizer, data.max_prompt_tokens, skipped)
+        evals = filter_prompt_length(evals, tokenizer, data.max_prompt_tokens, skipped)
+    if len(train) < batch_size and skipped:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+        raise ValueError(
+            f"data: only {len(train)} usable training prompts (fewer than one batch of {batch_size}) after "
+            f"skipping malformed rows ({reasons}); check data.train_path / data.hub_train and "
+            "data.max_prompt_tokens"
+        )
+    stream = PromptStream(train, batch_size=batch_size, seed=seed)
+    stream.skipped_rows = skipped
+    return stream, evals

@@ -47,6 +47,7 @@ from model.adapter import (
 )
 from model.checkpoint import base_fingerprint, load_model, save_model
 from model.config import ModelConfig
+from model.integrity import write_manifest
 from model.layers.lora import LoRAConfig, LoRALinear, apply_lora, load_lora_state_dict, merge_lora
 from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
@@ -158,6 +159,8 @@ def export_peft(src: Path, out: Path, base: str | None = None) -> Path:
     for fname in (CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE):
         if (src / fname).exists() and (src / fname).resolve() != (out / fname).resolve():
             shutil.copyfile(src / fname, out / fname)
+    # The source verified (read_adapter above); a manifest of the copy catches damage in transit.
+    write_manifest(out, [WEIGHTS_FILE])
     (out / "README.md").write_text(model_card(cfg, raw, meta, tensors))
     read_adapter(out)  # the copy parses back
     return out
@@ -312,8 +315,22 @@ def _write_report(report: MergeReport, out: Path) -> MergeReport:
 
 
 # ------------------------------------------------------------------------------ CLI
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one `error:` line (usage is in --help)."""
+
+    def error(self, message: str):
+        self.exit(
+            2, f"error: {message} (usage: {self.prog} SRC --out DIR [--format peft|merged]; see --help)\n"
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 2000 else text[:2000] + " ... (cut)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl.export", description=__doc__.split("\n\n")[0])
+    ap = _OneLineParser(prog="python -m rl.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="adapter directory, or a run directory containing adapters")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--format", choices=("peft", "merged"), default="peft")
@@ -342,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
             src, out, args.base, dtype=args.dtype, verify=not args.no_verify,
             probe_tokens=args.probe_tokens, device=args.device,
         )  # fmt: skip
-    except (ExportError, AdapterError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ExportError, AdapterError, ValueError, OSError) as e:
+        # ValueError: CheckpointError / IntegrityError / config errors of the base; OSError: paths
+        # (--out is a file, no permission, a base directory without config.json).
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
     print(f"merged {src} into {report.base} -> {out} (report: {out / REPORT_FILE})")
     for fmt, s in report.groups.items():

@@ -12,9 +12,18 @@ a process's main thread and cannot interrupt C code; a child process can always 
 start from a 'forkserver' (a clean single-threaded server process), which is safe inside a Ray
 actor, whose process runs threads that a plain fork() would copy in arbitrary states.
 
-Invariants: `score_batch` returns one dict per input, in input order, each with `score` (float),
-`acc` (bool) and `pred` (str | None), plus `error` (str) when the scorer failed or timed out; the
-scorer must be a picklable module-level function `(text, ground_truth) -> dict | float`.
+Bounded cost on adversarial completions (megabyte strings, odd unicode, NUL bytes, regex-hostile
+text): `score_math_dapo` looks only at the last `ANSWER_WINDOW_CHARS` characters of a completion and
+the first `MAX_TRUTH_CHARS` of a ground truth before any regex runs, so its cost does not grow with
+the input; the pool also cuts every text to its last `max_text_chars` before shipping it to a child,
+and the per-sample timeout backs up any scorer whose cost is not bounded by construction.
+
+Invariants: `score_batch` returns one dict per input, in input order, each with `score` (float,
+finite), `acc` (bool) and `pred` (str | None), plus `error` (str) and `error_kind` (one of
+`ERROR_KINDS`) when the sample was not scored: the scorer timed out, raised, killed its process,
+returned NaN/inf, or the input was not a pair of strings. `reward_error_metrics(results)` turns
+those into `reward/errors` and `reward/errors/<kind>` counts. The scorer must be a picklable
+module-level function `(text, ground_truth) -> dict | float`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import math
 import multiprocessing as mp
 import re
 import sys
@@ -30,10 +40,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 Scorer = Callable[[str, str], "dict[str, Any] | float"]
+ErrorKind = Literal["timeout", "exception", "died", "nonfinite", "invalid_input"]
+ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "exception", "died", "nonfinite", "invalid_input")
 FAILED_SCORE = -1.0
+# verl's compute_score reads only the last 300 characters (the longest MATH-500 answer is 159); a
+# wider window of our own keeps the bound independent of verl's internals.
+ANSWER_WINDOW_CHARS = 1024
+MAX_TRUTH_CHARS = 1024  # reference answers are short; a longer one is cut before normalisation regexes
+DEFAULT_MAX_TEXT_CHARS = 1 << 20  # what the pool ships to a scorer process (the tail is kept)
+STARTUP_TIMEOUT_S = 120.0  # a scorer process's start-up (imports) on a loaded machine
 
 _INT_RE = re.compile(r"[+-]?(\d+)")
 _math_dapo: ModuleType | None = None
@@ -77,7 +95,13 @@ def score_math_dapo(completion_text: str, ground_truth: str) -> dict[str, Any]:
 
     verl's `compute_score` decides; a wrong verdict is overturned only when the prediction and the
     (Minerva-normalised) ground truth are both plain integers equal after dropping leading zeros."""
+    if not isinstance(completion_text, str) or not isinstance(ground_truth, str):
+        raise TypeError(
+            f"score_math_dapo needs (str, str), got ({type(completion_text).__name__}, "
+            f"{type(ground_truth).__name__})"
+        )
     md = _verl_math_dapo()
+    completion_text, ground_truth = completion_text[-ANSWER_WINDOW_CHARS:], ground_truth[:MAX_TRUTH_CHARS]
     out = md.compute_score(completion_text, ground_truth)
     score, acc, pred = float(out["score"]), bool(out["acc"]), out["pred"]
     if not acc:
@@ -90,17 +114,38 @@ def score_math_dapo(completion_text: str, ground_truth: str) -> dict[str, Any]:
 def _normalise(out: Any) -> dict[str, Any]:
     if isinstance(out, dict):
         score = float(out["score"])
-        return {**out, "score": score, "acc": bool(out.get("acc", score > 0)), "pred": out.get("pred")}
-    score = float(out)
-    return {"score": score, "acc": score > 0, "pred": None}
+        out = {**out, "score": score, "acc": bool(out.get("acc", score > 0)), "pred": out.get("pred")}
+    else:
+        score = float(out)
+        out = {"score": score, "acc": score > 0, "pred": None}
+    if not math.isfinite(score):
+        raise _NonFinite(f"scorer returned a non-finite score {score!r}")
+    return out
 
 
-def _failed(error: str) -> dict[str, Any]:
-    return {"score": FAILED_SCORE, "acc": False, "pred": None, "error": error}
+class _NonFinite(ValueError):
+    """A scorer result of NaN or +-inf: it would poison the group's advantages."""
+
+
+def _failed(error: str, kind: ErrorKind) -> dict[str, Any]:
+    return {"score": FAILED_SCORE, "acc": False, "pred": None, "error": error, "error_kind": kind}
+
+
+def reward_error_metrics(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """`reward/errors` (samples not scored) and `reward/errors/<kind>` for every kind (zeros too, so
+    the curves exist from the first step), from `ScoringPool.score` results."""
+    counts = dict.fromkeys(ERROR_KINDS, 0)
+    for r in results:
+        if "error" in r:
+            counts[r.get("error_kind", "exception")] += 1
+    return {"reward/errors": float(sum(counts.values())),
+            **{f"reward/errors/{k}": float(n) for k, n in counts.items()}}  # fmt: skip
 
 
 def _worker_main(conn: Connection, scorer: Scorer) -> None:
-    """Child loop: receive (index, text, truth), send back (index, result, error); None stops it."""
+    """Child loop: say it is ready (the scorer's module is imported by now), then receive (index, text,
+    truth) and send back (index, result, error, kind); None stops it."""
+    conn.send("ready")
     while True:
         try:
             msg = conn.recv()
@@ -110,9 +155,11 @@ def _worker_main(conn: Connection, scorer: Scorer) -> None:
             return
         i, text, truth = msg
         try:
-            conn.send((i, _normalise(scorer(text, truth)), None))
+            conn.send((i, _normalise(scorer(text, truth)), None, None))
+        except _NonFinite as e:
+            conn.send((i, None, str(e), "nonfinite"))
         except Exception as e:  # a scorer bug costs one sample, never the batch
-            conn.send((i, None, f"{type(e).__name__}: {e}"))
+            conn.send((i, None, f"{type(e).__name__}: {str(e)[:500]}", "exception"))
 
 
 class ScoringPool:
@@ -120,10 +167,17 @@ class ScoringPool:
     process start-up per step). A worker that times out or dies is killed and replaced.
     Use as a context manager, or call `close()`."""
 
-    def __init__(self, scorer: Scorer = score_math_dapo, num_workers: int = 1):
+    def __init__(
+        self,
+        scorer: Scorer = score_math_dapo,
+        num_workers: int = 1,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.scorer = scorer
+        if max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {max_text_chars}")
+        self.scorer, self.max_text_chars = scorer, max_text_chars
         self._ctx = mp.get_context("forkserver")
         self._procs: list[Any] = [None] * num_workers
         self._conns: list[Connection | None] = [None] * num_workers
@@ -135,6 +189,18 @@ class ScoringPool:
         proc.start()
         child.close()
         self._procs[slot], self._conns[slot] = proc, parent
+        # The per-sample clock starts once the child is up: process start and the scorer's imports
+        # (seconds on a loaded machine) must not eat the first sample's timeout.
+        try:
+            ready = parent.poll(STARTUP_TIMEOUT_S) and parent.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self._kill(slot)
+            raise RuntimeError(
+                f"scorer process did not start within {STARTUP_TIMEOUT_S:g}s (cannot import the scorer "
+                f"{getattr(self.scorer, '__module__', '?')}.{getattr(self.scorer, '__name__', '?')}?)"
+            )
 
     def _kill(self, slot: int) -> None:
         proc, conn = self._procs[slot], self._conns[slot]
@@ -146,40 +212,66 @@ class ScoringPool:
         self._procs[slot], self._conns[slot] = None, None
 
     def score(
-        self, texts: Sequence[str], truths: Sequence[str], timeout_s: float = 5.0
+        self,
+        texts: Sequence[str],
+        truths: Sequence[str],
+        timeout_s: float = 5.0,
+        batch_timeout_s: float | None = None,
     ) -> list[dict[str, Any]]:
-        """Score every (text, truth) pair; each call of the scorer gets at most `timeout_s` seconds."""
+        """Score every (text, truth) pair; each call of the scorer gets at most `timeout_s` seconds,
+        and the whole batch at most `batch_timeout_s` (None: no batch limit; samples still waiting
+        when it expires fail as timeouts), so a scorer that hangs on everything costs a bounded
+        time per step, not len(texts) x timeout_s."""
         if len(texts) != len(truths):
             raise ValueError(f"{len(texts)} texts but {len(truths)} ground truths")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not timeout_s > 0 or (batch_timeout_s is not None and not batch_timeout_s > 0):
+            raise ValueError(
+                f"timeouts must be > 0, got timeout_s={timeout_s}, batch_timeout_s={batch_timeout_s}"
+            )
         results: list[dict[str, Any] | None] = [None] * len(texts)
-        pending = deque(range(len(texts)))
+        pending: deque[int] = deque()
+        for i, (text, truth) in enumerate(zip(texts, truths)):
+            if isinstance(text, str) and isinstance(truth, str):
+                pending.append(i)
+            else:
+                results[i] = _failed(
+                    f"invalid input: text is {type(text).__name__}, ground truth is {type(truth).__name__} "
+                    "(both must be str)", "invalid_input",
+                )  # fmt: skip
+        batch_deadline = math.inf if batch_timeout_s is None else time.monotonic() + batch_timeout_s
         busy: dict[int, tuple[int, float]] = {}  # slot -> (sample index, deadline)
         while pending or busy:
+            if time.monotonic() >= batch_deadline:
+                while pending:
+                    results[pending.popleft()] = _failed(
+                        f"timeout: the batch ran longer than {batch_timeout_s:g}s", "timeout"
+                    )
             for slot in range(len(self._procs)):
                 if pending and slot not in busy:
                     if self._procs[slot] is None or not self._procs[slot].is_alive():
                         self._kill(slot)
                         self._start(slot)
                     i = pending.popleft()
-                    self._conns[slot].send((i, texts[i], truths[i]))
-                    busy[slot] = (i, time.monotonic() + timeout_s)
+                    self._conns[slot].send((i, texts[i][-self.max_text_chars :], truths[i]))
+                    busy[slot] = (i, min(batch_deadline, time.monotonic() + timeout_s))
+            if not busy:
+                continue
             next_deadline = min(d for _, d in busy.values())
             ready = wait([self._conns[s] for s in busy], timeout=max(0.0, next_deadline - time.monotonic()))
             for slot in [s for s in busy if self._conns[s] in ready]:
                 i, _ = busy.pop(slot)
                 try:
-                    _, out, err = self._conns[slot].recv()
+                    _, out, err, kind = self._conns[slot].recv()
                 except (EOFError, OSError):  # the child died mid-sample (crash, os._exit, OOM kill)
-                    out, err = None, "scorer process died"
+                    out, err, kind = None, "scorer process died", "died"
                     self._kill(slot)
                     self.restarts += 1
-                results[i] = out if err is None else _failed(err)
+                results[i] = out if err is None else _failed(err, kind)
             now = time.monotonic()
             for slot in [s for s, (_, d) in busy.items() if d <= now]:
                 i, _ = busy.pop(slot)
-                results[i] = _failed(f"timeout: scorer ran longer than {timeout_s:g}s")
+                limit = f"{timeout_s:g}s" if now < batch_deadline else f"{batch_timeout_s:g}s (batch limit)"
+                results[i] = _failed(f"timeout: scorer ran longer than {limit}", "timeout")
                 self._kill(slot)
                 self.restarts += 1
         return results  # type: ignore[return-value]
@@ -208,9 +300,10 @@ def score_batch(
     *,
     scorer: Scorer = score_math_dapo,
     num_workers: int = 1,
+    batch_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Score a batch in fresh worker processes (see `ScoringPool` to keep them across calls)."""
     if not texts:
         return []
     with ScoringPool(scorer, num_workers=min(num_workers, len(texts))) as pool:
-        return pool.score(texts, truths, timeout_s)
+        return pool.score(texts, truths, timeout_s, batch_timeout_s)

@@ -6,6 +6,12 @@ the worker adds them between steps and runs `step()` while anything is unfinishe
 flow back to the handlers' asyncio queues through thread-safe callbacks. `set_adapter` also runs
 on the worker between steps, so a swap never lands inside a forward.
 
+Bad input: every malformed request gets an OpenAI-shaped JSON error (400 malformed / out-of-range,
+404 unknown model or route, 405 wrong method) whose one-line message names the field, never a 500
+and never an echo of a huge input; numbers must be finite, `n` is capped (`max_n`), seeds must fit
+torch's generator, and a failure inside the engine thread is delivered to the requests it hit
+instead of silently killing the thread (which would hang every later request).
+
 Conventions: prompts may be text or token ids; `choices[i].token_ids` (an extension, as vLLM's
 `return_token_ids`) carries the sampled ids; `logprobs` follows rollout/engine.py (temperature-
 scaled, before truncation). Text stops at (and excludes) a matched stop string. Errors are
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import sys
 import threading
 import time
 import uuid
@@ -34,6 +42,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine import Completion, Request, SamplingParams
 from rollout.native.engine import NativeEngine
@@ -92,6 +101,8 @@ class EngineWorker:
         self._cv = threading.Condition()
         self._stop = False
         self._done_cb: dict[str, Callable[[list[Completion]], None]] = {}
+        self._error_cb: dict[str, Callable[[Exception], None]] = {}
+        self._broken: Exception | None = None  # set when a step fails and the engine cannot drop requests
         self._partial: dict[str, list[Completion]] = {}
         self._n: dict[str, int] = {}
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
@@ -105,11 +116,15 @@ class EngineWorker:
         on_error: Callable[[Exception], None],
     ) -> None:
         def add():
+            if self._broken is not None:
+                on_error(RuntimeError(f"the engine failed earlier ({self._broken}); restart the server"))
+                return
             try:
                 rid = self.engine.add_request(request, on_token)
-            except ValueError as e:
+            except Exception as e:  # invalid for this engine: that request fails, the thread lives on
                 on_error(e)
                 return
+            self._error_cb[rid] = on_error
             self._done_cb[rid] = on_done
             self._partial[rid] = []
             self._n[rid] = request.n
@@ -148,20 +163,48 @@ class EngineWorker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._stop or self.engine.has_unfinished()):
+                while not (self._inbox or self._stop or self._busy()):
                     self._cv.wait()
                 if self._stop:
                     return
                 items, self._inbox = self._inbox, []
             for item in items:
                 item()
-            if self.engine.has_unfinished():
-                for c in self.engine.step():
+            if self._busy():
+                try:
+                    finished = self.engine.step()
+                except Exception as e:  # a bug or an engine fault: fail what is in flight, keep serving
+                    self._fail_all(e)
+                    continue
+                for c in finished:
                     group = self._partial[c.request_id]
                     group.append(c)
                     if len(group) == self._n[c.request_id]:
                         del self._partial[c.request_id], self._n[c.request_id]
+                        self._error_cb.pop(c.request_id, None)
                         self._done_cb.pop(c.request_id)(sorted(group, key=lambda x: x.sample_index))
+
+    def _busy(self) -> bool:
+        return self._broken is None and self.engine.has_unfinished()
+
+    def _fail_all(self, error: Exception) -> None:
+        """Deliver `error` to every in-flight request. An engine that can drop them (`abort_request`)
+        keeps serving; one that cannot is marked broken (its state is unknown), and later requests
+        fail fast with a message saying so instead of hanging."""
+        print(f"engine step failed: {type(error).__name__}: {error}", file=sys.stderr)
+        abort = getattr(self.engine, "abort_request", None)
+        if abort is None:
+            self._broken = error
+        for rid in list(self._done_cb):
+            if abort is not None:
+                try:
+                    abort(rid)
+                except Exception as e:  # the engine cannot drop it: stop trusting the engine
+                    self._broken = e
+            self._done_cb.pop(rid, None)
+            self._partial.pop(rid, None)
+            self._n.pop(rid, None)
+            self._error_cb.pop(rid)(RuntimeError(f"engine failure: {type(error).__name__}: {error}"))
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -214,8 +257,32 @@ class OpenAIError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
+_MAX_MESSAGE_CHARS = 1000
+_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+
 def _error_json(status: int, message: str, kind: str) -> JSONResponse:
+    message = " ".join(message.split())  # one line
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + " ... (cut)"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _describe_validation(errors: list[dict[str, Any]]) -> str:
+    """pydantic errors -> 'field: problem; ...' naming each field once, without echoing the input."""
+    by_field: dict[str, list[str]] = {}
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # union members show up as loc parts like 'str' / 'list[int]': keep the field, drop the member
+        field = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int"))
+        if err.get("type") == "json_invalid":
+            field, msg = "body", f"invalid JSON ({err.get('ctx', {}).get('error', 'cannot decode')})"
+        else:
+            msg = str(err.get("msg", "invalid"))
+        by_field.setdefault(field or "body", [])
+        if msg not in by_field[field or "body"]:
+            by_field[field or "body"].append(msg)
+    return "; ".join(f"{f}: {' or '.join(m)}" for f, m in by_field.items())
 
 
 # --------------------------------------------------------------------------------- app
@@ -225,8 +292,10 @@ def build_app(
     model_name: str = "base",
     adapter_name: str | None = None,
     default_max_tokens: int = 256,
+    max_n: int = 64,
 ) -> FastAPI:
-    """The FastAPI app; `app.state.worker` is the EngineWorker (close it on shutdown)."""
+    """The FastAPI app; `app.state.worker` is the EngineWorker (close it on shutdown). `max_n` caps
+    the samples one request may ask for."""
     app = FastAPI(title="rollout engine")
     worker = EngineWorker(engine)
     app.state.worker = worker
@@ -234,7 +303,17 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: HTTPRequest, exc: RequestValidationError):
-        return _error_json(400, f"malformed request: {exc.errors()}", "invalid_request_error")
+        return _error_json(
+            400, f"malformed request: {_describe_validation(exc.errors())}", "invalid_request_error"
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
+        messages = {404: f"not found: no route {request.url.path}",
+                    405: f"method {request.method} not allowed on {request.url.path}",
+                    400: "malformed request: the body cannot be parsed as JSON"}  # fmt: skip
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_json(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: HTTPRequest, exc: OpenAIError):
@@ -254,11 +333,20 @@ def build_app(
         if adapter_name and body.model != adapter_name:
             # One global adapter: the base alone cannot be sampled while it is loaded.
             raise OpenAIError(400, f"the engine serves adapter {adapter_name!r}; ask for that model")
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(body, name)):
+                raise OpenAIError(400, f"{name} must be a finite number, got {getattr(body, name)}")
+        if not 1 <= body.n <= max_n:
+            raise OpenAIError(400, f"n must be in [1, {max_n}], got {body.n}")
+        if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
+            raise OpenAIError(400, f"seed must be in [0, 2**63), got {body.seed}")
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(400, f"max_tokens must be an int >= 1, got {max_tokens}")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             params = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                max_tokens=max_tokens or default_max_tokens, stop=tuple(stop),
+                max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             )  # fmt: skip
             return Request(tuple(prompt_ids), params, n=body.n, seed=body.seed)
@@ -283,8 +371,14 @@ def build_app(
         )
         while True:
             item = await q.get()
-            if item[0] == "error":
-                raise OpenAIError(400, str(item[1]))
+            if item[0] == "error":  # the engine refused it: say what the request asked for
+                p = request.params
+                status = 400 if isinstance(item[1], ValueError) else 500  # 500: the engine itself failed
+                raise OpenAIError(
+                    status, f"{item[1]} (request: prompt of {len(request.prompt_token_ids)} tokens, "
+                    f"max_tokens={p.max_tokens}, n={request.n})", "invalid_request_error" if status == 400
+                    else "server_error",
+                )  # fmt: skip
             yield item
             if item[0] == "done":
                 return
@@ -388,6 +482,8 @@ def build_app(
         ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not ids:
             raise OpenAIError(400, "prompt is empty")
+        if body.logprobs is not None and body.logprobs < 0:
+            raise OpenAIError(400, f"logprobs must be >= 0 (or null), got {body.logprobs}")
         return await generate(body, ids, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -398,7 +494,8 @@ def build_app(
         if not body.messages:
             raise OpenAIError(400, "messages is empty")
         ids = tokenizer.chat_prompt(body.messages)
-        return await generate(body, ids, body.max_completion_tokens or body.max_tokens, chat=True)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await generate(body, ids, max_tokens, chat=True)
 
     return app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from model.checkpoint import CheckpointError, base_fingerprint, load_model, save_model
 from model.config import ModelConfig, QuantConfig
 from model.convert import convert
+from model.integrity import MANIFEST_FILE, write_manifest
 from model.modeling import MiniMaxM3ForCausalLM
 
 IDS = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -86,6 +88,7 @@ def test_missing_tensor_is_named(tmp_path, bf16_cfg):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.2.self_attn.o_proj.weight"]
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_manifest(tmp_path, [shard.name])  # a consistent checkpoint that simply lacks the tensor
     with pytest.raises(CheckpointError, match=r"missing tensors.*layers\.2\.self_attn\.o_proj"):
         load_model(tmp_path)
 
@@ -126,3 +129,72 @@ def test_not_a_checkpoint_directory(tmp_path, bf16_cfg):
     bf16_cfg.save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=r"no model\.safetensors\.index\.json"):
         load_model(tmp_path)
+
+
+# ------------------------------------------------------------------------------ checksum manifest
+def _flip_byte(path, at_fraction: float = 0.7) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at_fraction)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_saved_checkpoint_has_a_manifest_covering_every_shard(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path, max_shard_bytes=200_000)
+    listed = set(json.loads((tmp_path / MANIFEST_FILE).read_text())["files"])
+    assert listed == {p.name for p in tmp_path.glob("model-*.safetensors")} and len(listed) > 1
+
+
+def test_bit_flipped_shard_is_named_before_any_weight_loads(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path, max_shard_bytes=200_000)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    _flip_byte(shard)  # inside the tensor data: safetensors itself would load it without complaint
+    with pytest.raises(CheckpointError, match=rf"file {shard.name} is corrupted.*re-download"):
+        load_model(tmp_path)
+
+
+def test_truncated_shard_with_manifest_names_sizes(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path)
+    shard = next(tmp_path.glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(
+        CheckpointError, match=rf"{shard.name} is truncated \(\d+ bytes, the manifest records"
+    ):
+        load_model(tmp_path)
+
+
+def test_checkpoint_without_manifest_loads_with_one_warning(tmp_path, bf16_cfg, caplog):
+    model = make(bf16_cfg)
+    save_model(model, tmp_path)
+    (tmp_path / MANIFEST_FILE).unlink()
+    with caplog.at_level(logging.WARNING, logger="model.integrity"):
+        a = load_model(tmp_path, dtype=torch.float32)
+        load_model(tmp_path, dtype=torch.float32)
+    assert caplog.text.count("without checksum verification") == 1
+    assert base_fingerprint(a) == base_fingerprint(model.float())
+
+
+def test_garbled_manifest_is_an_error_naming_the_fix(tmp_path, bf16_cfg):
+    save_model(make(bf16_cfg), tmp_path)
+    (tmp_path / MANIFEST_FILE).write_text('{"files": [1, 2')
+    with pytest.raises(CheckpointError, match=r"unreadable checksum manifest.*delete checksums\.json"):
+        load_model(tmp_path)
+
+
+def test_adapter_weights_bit_flip_and_truncation_are_named(tmp_path):
+    from model.adapter import WEIGHTS_FILE, AdapterError, read_adapter, save_adapter
+    from model.layers.lora import LoRAConfig, apply_lora
+
+    model = apply_lora(make(ModelConfig.preset("tiny")), LoRAConfig(r=4, target_modules=["q_proj"]))
+    save_adapter(model, tmp_path, LoRAConfig(r=4, target_modules=["q_proj"]))
+    assert set(json.loads((tmp_path / MANIFEST_FILE).read_text())["files"]) == {WEIGHTS_FILE}
+    read_adapter(tmp_path)
+    good = (tmp_path / WEIGHTS_FILE).read_bytes()
+    _flip_byte(tmp_path / WEIGHTS_FILE, 0.9)
+    with pytest.raises(AdapterError, match=rf"adapter .*{WEIGHTS_FILE} is corrupted"):
+        read_adapter(tmp_path)
+    (tmp_path / WEIGHTS_FILE).write_bytes(good[:-8])
+    with pytest.raises(AdapterError, match=rf"{WEIGHTS_FILE} is truncated"):
+        read_adapter(tmp_path)
+    (tmp_path / WEIGHTS_FILE).write_bytes(good)
+    (tmp_path / MANIFEST_FILE).unlink()  # a PEFT-written adapter: no manifest, still readable
+    assert read_adapter(tmp_path)[0].r == 4

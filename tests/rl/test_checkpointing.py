@@ -159,3 +159,56 @@ def test_rng_capture_restore_reproduces_draws_through_a_checkpoint(tmp_path):
     draws()  # move every generator on
     restore_rng_state(load_checkpoint(find_latest(tmp_path))["rng"])
     assert draws() == expected
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate_adapter", "flip_state_json", "garble_manifest", "manifest_without_files", "empty_pt"],
+)
+def test_auto_resume_skips_every_kind_of_damaged_latest_checkpoint(tmp_path, damage, caplog):
+    save_checkpoint(tmp_path, 1, _train_state(1))
+    latest = save_checkpoint(tmp_path, 2, _train_state(2))
+    if damage == "truncate_adapter":
+        f = latest / "adapter.safetensors"
+        f.write_bytes(f.read_bytes()[:-3])
+    elif damage == "flip_state_json":
+        f = latest / "state.json"
+        f.write_bytes(f.read_bytes().replace(b"12", b"13", 1))
+    elif damage == "garble_manifest":
+        (latest / "manifest.json").write_text('{"files": {"rng.pt": ')
+    elif damage == "manifest_without_files":
+        (latest / "manifest.json").write_text(json.dumps({"format": 1, "entries": {}}))
+    else:
+        (latest / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"step-2"):
+        load_checkpoint(latest)
+    with caplog.at_level(logging.WARNING, logger="rl.checkpointing"):
+        path, state = resume_checkpoint(tmp_path, "auto")
+    assert path.name == "step-1" and "skipping checkpoint step-2" in caplog.text
+    _assert_same(state["adapter"], _train_state(1)["adapter"])
+
+
+def test_half_written_checkpoint_is_never_picked_and_is_cleaned_by_the_next_save(tmp_path):
+    save_checkpoint(tmp_path, 1, _train_state(1))
+    done = save_checkpoint(tmp_path, 2, _train_state(2))
+    # A save killed before its manifest and rename: a complete-looking .tmp directory without manifest,
+    # and a published-name directory whose manifest never landed (e.g. copied by hand mid-write).
+    half = tmp_path / "checkpoints" / ".tmp-step-3"
+    half.mkdir()
+    (half / "adapter.safetensors").write_bytes((done / "adapter.safetensors").read_bytes())
+    no_manifest = tmp_path / "checkpoints" / "step-4"
+    no_manifest.mkdir()
+    (no_manifest / "state.json").write_text("{}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-1", "step-2"]
+    assert resume_checkpoint(tmp_path, "auto")[0].name == "step-2"
+    save_checkpoint(tmp_path, 5, {"step": 5})
+    assert not half.exists()
+
+
+def test_every_checkpoint_corrupt_starts_from_scratch_with_a_warning(tmp_path, caplog):
+    for step in (1, 2):
+        p = save_checkpoint(tmp_path, step, _train_state(step))
+        (p / "rng.pt").write_bytes(b"\0" * 10)
+    with caplog.at_level(logging.WARNING, logger="rl.checkpointing"):
+        assert resume_checkpoint(tmp_path, "auto") is None
+    assert "no valid checkpoint" in caplog.text

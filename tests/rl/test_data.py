@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from rl.data import (
     load_aime_2024,
     load_dapo_math,
     read_parquet_rows,
+    records_from_rows,
+    skipped_row_metrics,
 )
 from rl.rewards import score_math_dapo
 from rl.tokenizer import ByteTokenizer, load_tokenizer
@@ -290,3 +293,73 @@ def test_load_tokenizer_reads_a_local_hf_tokenizer_and_errors_clearly_when_missi
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == "hello\n"  # no template shipped
     with pytest.raises(FileNotFoundError, match=r"model\.tokenizer=byte"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+# --------------------------------------------------------------------------- malformed rows
+def _row(content="What is 2+2?", truth="4", **kw):
+    return {"data_source": "t", "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"ground_truth": truth}, **kw}  # fmt: skip
+
+
+MALFORMED_ROWS = {
+    "not_a_mapping": [None, 7, "a row", ["prompt"]],
+    "bad_prompt": [
+        {"prompt": None, "reward_model": {"ground_truth": "1"}},
+        {"prompt": "What is 1?", "reward_model": {"ground_truth": "1"}},
+        {"prompt": [None], "reward_model": {"ground_truth": "1"}},
+        _row(content=None), _row(content=42), _row(content=["a"]),
+        {"reward_model": {"ground_truth": "1"}},
+    ],
+    "no_user_message": [
+        {"prompt": [], "reward_model": {"ground_truth": "1"}},
+        {"prompt": [{"role": "system", "content": "x"}], "reward_model": {"ground_truth": "1"}},
+        {"prompt": [{"content": "no role"}], "reward_model": {"ground_truth": "1"}},
+    ],
+    "empty_prompt": [_row(content=""), _row(content="   \n\t"), _row(content=dapo_template(""))],
+    "prompt_too_long": [_row(content="9" * (1 << 17))],
+    "prompt_not_utf8": [_row(content="2+2\ud800?")],
+    "missing_answer": [_row(truth=None), {"prompt": _row()["prompt"]}, _row(reward_model=None),
+                       _row(reward_model="4"), _row(reward_model={})],
+    "answer_not_string": [_row(truth=4), _row(truth=4.0), _row(truth=True), _row(truth=["4"]),
+                          _row(truth={})],
+    "empty_answer": [_row(truth=""), _row(truth="  ")],
+    "answer_too_long": [_row(truth="1" * 5000)],
+}  # fmt: skip
+
+
+def test_malformed_rows_are_skipped_and_counted_by_reason(caplog):
+    rows = [row for bad in MALFORMED_ROWS.values() for row in bad]
+    good = [_row(content=f"What is {i}+1?", truth=str(i + 1)) for i in range(3)]
+    skipped = Counter()
+    out = records_from_rows([good[0], *rows, good[1], good[2]], "t", "t", skipped=skipped)
+    assert [p.ground_truth for p in out] == ["1", "2", "3"]
+    assert dict(skipped) == {k: len(v) for k, v in MALFORMED_ROWS.items()}
+    assert f"skipped {len(rows)} of {len(rows) + 3} rows" in caplog.text
+    m = skipped_row_metrics(skipped)
+    assert m["data/skipped_rows"] == len(rows) and m["data/skipped_rows/answer_not_string"] == 5
+
+
+def test_odd_but_valid_text_is_kept():
+    rows = [_row(content="\u202ewhat is 2+2\u202c\x00?"), _row(content="(((((a" * 1000, truth="x"),
+            _row(content="2+2", data_source=None), _row(content="3+3", data_source=5)]  # fmt: skip
+    out = records_from_rows(rows, "dflt", "t")
+    assert len(out) == 4 and [p.data_source for p in out[2:]] == ["dflt", "dflt"]
+
+
+def test_build_datasets_counts_skipped_rows_and_fails_clearly_when_none_are_left(tmp_path):
+    path = tmp_path / "mixed.parquet"
+    good = [_row(content=f"What is {i}+1?" + " " * 9 + "pad" * 20 * i, truth=str(i + 1)) for i in range(6)]
+    bad = [_row(content=""), _row(truth=""), _row(content="x" * (1 << 17))]
+    tok = ByteTokenizer()
+    third = [{"role": "user", "content": dapo_template(good[2]["prompt"][0]["content"].strip())}]
+    limit = len(tok.encode(tok.apply_chat_template(third)))  # keeps the three shortest prompts
+    pq.write_table(pa.Table.from_pylist(good + bad), path)
+    stream, evals = build_datasets(_DataCfg(kind="dapo_math", train_path=str(path)), seed=0, batch_size=2)
+    assert len(stream.records) == 6 and evals == []
+    assert dict(stream.skipped_rows) == {"empty_prompt": 1, "empty_answer": 1, "prompt_too_long": 1}
+    stream, _ = build_datasets(_DataCfg(kind="dapo_math", train_path=str(path), max_prompt_tokens=limit),
+                               seed=0, batch_size=1, tokenizer=tok)  # fmt: skip
+    assert len(stream.records) == 3 and stream.skipped_rows["prompt_too_many_tokens"] == 3
+    pq.write_table(pa.Table.from_pylist(bad), path)
+    with pytest.raises(ValueError, match=r"only 0 usable training prompts.*empty_answer: 1"):
+        build_datasets(_DataCfg(kind="dapo_math", train_path=str(path)), seed=0, batch_size=2)

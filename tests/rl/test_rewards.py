@@ -1,12 +1,13 @@
 """rl/rewards.py: the DAPO math reward (with the leading-zero fix) and timeout-safe batch scoring."""
 
+import math
 import os
 import time
 
 import pytest
 
 from rl import rewards
-from rl.rewards import ScoringPool, score_batch, score_math_dapo
+from rl.rewards import ERROR_KINDS, ScoringPool, reward_error_metrics, score_batch, score_math_dapo
 
 
 # Module-level scorers: worker processes import them by name.
@@ -122,3 +123,85 @@ def test_score_batch_works_inside_a_ray_actor():
         assert [r["score"] for r in out] == [1.0, -1.0, 1.0] and "timeout" in out[1]["error"]
     finally:
         ray.shutdown()
+
+
+# --------------------------------------------------------------------------- errors and adversarial input
+def nonfinite_scorer(text: str, truth: str):
+    """NaN, +inf, -inf, or a dict holding NaN, picked by the text."""
+    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(text, {"score": math.nan})
+
+
+def hang_scorer(text: str, truth: str) -> float:
+    while True:
+        time.sleep(0.05)
+
+
+# Completions built to make naive scoring slow or crash: huge, regex-hostile, odd unicode.
+ADVERSARIAL = {
+    "megabyte": "x" * (1 << 20) + "\nAnswer: 7",
+    "megabyte_one_line": "Answer: " + "9" * (1 << 20),
+    "nested_parens": "(((((a" * 10000,
+    "nested_boxed": "\\boxed{" * 20000 + "7",
+    "boxed_then_answer": "\\boxed{" * 5000 + "}" * 4000 + "\nAnswer: 7",
+    "many_dollars": "$" * 200000 + "Answer: $7$",
+    "rtl_marks": "\u202eAnswer: 7\u202c\u200f" * 5000,
+    "nul_bytes": "\x00" * 100000 + "Answer: 7\x00",
+    "lone_surrogates": "\ud800\udfff" * 10000 + "Answer: 7",
+    "combining_marks": "7" + "\u0301" * 200000,
+    "answer_spam": "Answer: 1\n" * 100000,
+    "frac_sqrt": "Answer: " + "\\frac\\sqrt" * 50000,
+    "newlines": "\n" * 500000,
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_completion_is_scored_in_bounded_time_in_process(name):
+    t0 = time.perf_counter()
+    out = score_math_dapo(ADVERSARIAL[name], "7")
+    elapsed = time.perf_counter() - t0
+    assert out["score"] in (1.0, -1.0) and elapsed < 0.25, f"{name}: {elapsed:.3f}s"
+
+
+def test_adversarial_batch_through_the_pool_has_no_errors_and_finishes_fast():
+    names = sorted(ADVERSARIAL)
+    t0 = time.monotonic()
+    out = score_batch([ADVERSARIAL[n] for n in names], ["7"] * len(names), timeout_s=5.0)
+    elapsed = time.monotonic() - t0
+    assert [r for r in out if "error" in r] == [] and all(math.isfinite(r["score"]) for r in out)
+    assert out[names.index("megabyte")]["acc"] is True
+    assert elapsed < 10, f"{elapsed:.1f}s"
+
+
+def test_huge_or_regex_hostile_ground_truth_is_bounded_too():
+    t0 = time.perf_counter()
+    for truth in ("$" * 100000, "(((((a" * 10000, "\\boxed{" * 10000, "7" * (1 << 20)):
+        assert score_math_dapo("Answer: 7", truth)["score"] == -1.0
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_nonfinite_scores_and_invalid_inputs_become_counted_errors():
+    with ScoringPool(nonfinite_scorer) as pool:
+        out = pool.score(["nan", "inf", "-inf", "dict", None, "x"], ["1", "1", "1", "1", "1", 7], timeout_s=5)
+    assert [r["error_kind"] for r in out] == ["nonfinite"] * 4 + ["invalid_input"] * 2
+    assert all(r["score"] == -1.0 and r["acc"] is False for r in out)
+    assert "non-finite score nan" in out[0]["error"] and "ground truth is int" in out[5]["error"]
+
+
+def test_reward_error_metrics_count_each_kind():
+    texts = ["Answer: 1", "hang", "raise", "crash", 5]
+    out = score_batch(texts, ["1"] * 5, timeout_s=1.0, scorer=misbehaving_scorer, num_workers=2)
+    m = reward_error_metrics(out)
+    assert m["reward/errors"] == 4.0
+    assert {k: m[f"reward/errors/{k}"] for k in ERROR_KINDS} == {
+        "timeout": 1.0, "exception": 1.0, "died": 1.0, "nonfinite": 0.0, "invalid_input": 1.0
+    }  # fmt: skip
+    assert reward_error_metrics([{"score": 1.0}])["reward/errors"] == 0.0
+
+
+def test_batch_timeout_bounds_a_scorer_that_hangs_on_everything():
+    t0 = time.monotonic()
+    out = score_batch(["a"] * 8, ["a"] * 8, timeout_s=5.0, batch_timeout_s=1.0, scorer=hang_scorer)
+    elapsed = time.monotonic() - t0
+    assert all(r["error_kind"] == "timeout" for r in out) and "batch" in out[-1]["error"]
+    assert elapsed < 4.0, f"8 hung samples x 5 s must be cut at the 1 s batch limit, took {elapsed:.1f}s"
