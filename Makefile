@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow and not gpu"  # the default suite plus the reliability suite
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow

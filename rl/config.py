@@ -46,6 +46,7 @@ RolloutBackend = Literal["native", "vllm"]
 ModelFamily = Literal["minimax_m3", "hf"]
 VLLMSync = Literal["auto", "tensors", "ramdir"]
 Placement = Literal["none", "pack", "spread"]
+SpecMode = Literal["fixed", "scheduled"]
 CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -178,6 +179,30 @@ class DataSection:
 
 
 @dataclass
+class DSparkSection:
+    """DSpark speculative decoding in the native engine (rollout/dspark). `drafter`: a directory
+    holding `dspark/` (python -m rollout.dspark.train); None = no speculation. `mode`: how many
+    drafts are verified per step ("scheduled" by the drafter's confidence, or all: "fixed").
+    `cotrain`: distil the drafter on every step's rollouts (`cotrain_steps` optimizer steps at
+    `cotrain_lr`) and publish it to every engine, so acceptance follows the changing policy."""
+
+    drafter: str | None = None
+    mode: SpecMode = "scheduled"
+    cotrain: bool = False
+    cotrain_steps: int = 20
+    cotrain_lr: float = 5e-4
+
+    def __post_init__(self) -> None:
+        _at_least(self, "rollout.dspark", 1, "cotrain_steps")
+        _require(self.cotrain_lr > 0, f"rollout.dspark.cotrain_lr must be > 0, got {self.cotrain_lr}")
+        _require(
+            not self.cotrain or self.drafter is not None,
+            "rollout.dspark.cotrain=true needs rollout.dspark.drafter=DIR (a drafter to start from; "
+            "python -m rollout.dspark.train builds one)",
+        )
+
+
+@dataclass
 class RolloutSection:
     """Generation. `n_samples` is G (completions per prompt). `kv_cache_dtype` / `index_cache_dtype`
     None = the model config's. Native engine: `max_pages` pages of one MSA block each,
@@ -201,12 +226,12 @@ class RolloutSection:
     gpu_memory_utilization: float = 0.85
     torch_threads: int = 1
     # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
-    # directory), the dtype it computes in (None = model.dtype), its context length, and a DSpark
-    # drafter directory for speculative decoding.
+    # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
+    # drafter is rollout.dspark.drafter.
+    dspark: DSparkSection = field(default_factory=DSparkSection)
     vllm_sync: VLLMSync = "auto"
     vllm_dtype: ModelDtype | None = None
     max_model_len: int = 2048
-    drafter: str | None = None
 
     def __post_init__(self) -> None:
         _at_least(self, "rollout", 1, "num_workers", "n_samples", "max_tokens", "max_pages", "max_model_len")
@@ -224,12 +249,15 @@ class RolloutSection:
 @dataclass
 class RewardSection:
     """Scoring: verl's math_dapo (+1 / -1 on the last "Answer:" line) in `num_workers` processes with
-    a per-sample `timeout_s`. DAPO overlong shaping: a response longer than
-    max_tokens - overlong_buffer loses up to `overlong_penalty`, linearly over the buffer (0 = off)."""
+    a per-sample `timeout_s` and, when set, `batch_timeout_s` for a worker's whole batch (samples
+    still unscored then get -1 and count as `reward/errors/timeout`). DAPO overlong shaping: a
+    response longer than max_tokens - overlong_buffer loses up to `overlong_penalty`, linearly over
+    the buffer (0 = off)."""
 
     kind: RewardKind = "math_dapo"
     num_workers: int = 1
     timeout_s: float = 5.0
+    batch_timeout_s: float | None = None
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
@@ -237,6 +265,10 @@ class RewardSection:
         _at_least(self, "reward", 1, "num_workers")
         _at_least(self, "reward", 0, "overlong_buffer", "overlong_penalty")
         _require(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        _require(
+            self.batch_timeout_s is None or self.batch_timeout_s > 0,
+            f"reward.batch_timeout_s must be null or > 0, got {self.batch_timeout_s}",
+        )
 
 
 @dataclass
@@ -318,10 +350,23 @@ class TrainerSection:
     num_learners: int = 1
     num_gpus: float = 0.0
     torch_threads: int = 1
+    # Reliability: a rollout/reward actor that dies is restarted up to `max_restarts` times (its
+    # work re-run, the current adapter re-sent); `max_nonfinite_steps` consecutive NaN/inf losses or
+    # gradients abort the run (each one skips its optimizer step); `fault_injection` is for the
+    # reliability tests only (rl/faults.py).
+    max_restarts: int = 3
+    max_nonfinite_steps: int = 3
+    fault_injection: str | None = None
 
     def __post_init__(self) -> None:
         _at_least(self, "trainer", 1, "total_steps", "micro_batch_size", "eval_n_samples")
-        _at_least(self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads")
+        _at_least(
+            self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads", "max_nonfinite_steps"
+        )
+        _at_least(self, "trainer", 0, "max_restarts")
+        from rl.faults import parse as parse_faults
+
+        parse_faults(self.fault_injection)
         _at_least(self, "trainer", 0, "eval_every", "save_every", "eval_temperature", "num_gpus")
         _require(0 < self.eval_top_p <= 1, f"trainer.eval_top_p must be in (0, 1], got {self.eval_top_p}")
 
@@ -434,11 +479,19 @@ def load_config(
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
-        _require(bool(sep) and bool(key), f"override {item!r} is not key=value (e.g. trainer.total_steps=5)")
+        where = f"override {_clip(item)!r}"
+        _require(bool(sep) and bool(key), f"{where} is not key=value (e.g. trainer.total_steps=5)")
         if key == "recipe":
             raise ValueError("'recipe' cannot be overridden; pass it as recipe=NAME to the entry point")
-        _check_key_path(key.split("."), f"override {item!r}")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]), f"override {item!r}", key)
+        _check_key_path(key.split("."), where)
+        try:  # the value is parsed as YAML: bad syntax, NUL bytes, absurd nesting or digit counts
+            dotlist = OmegaConf.from_dotlist([f"{key}={value}"])
+        except (yaml.YAMLError, ValueError, RecursionError, OmegaConfBaseException) as e:
+            detail = " ".join(str(e).split())[:300]
+            raise ValueError(
+                f"{where}: cannot parse the value of {key!r} ({type(e).__name__}: {detail})"
+            ) from None
+        cfg = _merge(cfg, dotlist, where, key)
     cfg.recipe = name
     if cfg.output_dir is None:
         cfg.output_dir = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -518,8 +571,13 @@ def _section_of(cls: type, name: str) -> type | None:
 
 def _unknown_key(key: str, section: str, cls: type, where: str) -> ValueError:
     valid = [f.name for f in dataclasses.fields(cls)]
-    scope = f"section {section!r}" if section else "the top level"
-    return ValueError(f"{where}: unknown key {key!r} in {scope}; valid keys: {valid}")
+    scope = f"section {_clip(section)!r}" if section else "the top level"
+    return ValueError(f"{where}: unknown key {_clip(key)!r} in {scope}; valid keys: {valid}")
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """User input echoed in an error, shortened: a megabyte override must not become the message."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 def _check_key_path(parts: list[str], where: str) -> None:
@@ -594,7 +652,9 @@ def _merge(cfg: DictConfig, other: Any, where: str, key: str | None = None) -> D
 def _to_object(cfg: DictConfig) -> TrainConfig:
     try:
         obj = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ValueError(str(e).split("\n")[0]) from None
+    except OmegaConfBaseException as e:  # e.g. an unresolvable ${...} interpolation: name the key
+        key = getattr(e, "full_key", None)
+        detail = str(e).split("\n")[0]
+        raise ValueError(f"invalid value for {key!r}: {detail}" if key else detail) from None
     assert isinstance(obj, TrainConfig)
     return obj

@@ -36,12 +36,41 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     return recipe, overrides
 
 
+# Exceptions that mean "the recipe / overrides / command line are wrong" while the config is built:
+# reported as one line, never a traceback. (Errors during the run itself keep their traceback unless
+# they are ValueError / FileNotFoundError, which this project raises with a message naming the fix.)
+_MAX_ERROR_CHARS = 2000
+
+
+def _one_line(e: BaseException) -> str:
+    """The message on one line, cut so that a huge bad input is not echoed back whole."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + " ... (cut)"
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    import yaml
+
+    # RecursionError: absurdly nested YAML or override values; UnicodeError (a ValueError) and
+    # OSError: recipe paths that are directories, unreadable, or not text.
+    return (ValueError, TypeError, KeyError, OSError, RecursionError, yaml.YAMLError)
+
+
 def main(argv: list[str] | None = None) -> int:
     from rl.config import load_config
 
     try:
         recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         cfg = load_config(recipe, overrides)
+    except _config_errors() as e:
+        if isinstance(e, RecursionError):
+            msg = "the recipe or an override is nested too deeply to parse"
+        else:
+            prefix = "invalid YAML in the recipe: " if type(e).__module__.startswith("yaml") else ""
+            msg = prefix + _one_line(e)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    try:
         if cfg.model.warmup and cfg.model.checkpoint and cfg.model.family == "hf":
             from rl.hf_toy import ensure_hf_toy_base
 
@@ -54,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
         final = run(cfg)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     summary = ", ".join(
         f"{k} {v:.3f}" for k, v in final.items() if k in ("eval/acc", "reward/mean", "acc/mean")

@@ -26,6 +26,7 @@ import torch
 
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
+from rl.faults import maybe_fail
 from rl.workers import Learner, RewardWorker, RolloutWorker, Sample
 
 
@@ -63,6 +64,11 @@ def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:
     model = MiniMaxM3ForCausalLM(mcfg).init_weights(seed=cfg.trainer.seed)
     save_model(model, base)
     return base
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped on purpose (a dead learner, repeated worker deaths, repeated NaN steps); the
+    message says why and how to continue. Checkpoints already written stay valid."""
 
 
 def group_advantages(samples: list[Sample]) -> None:
@@ -120,8 +126,11 @@ class Trainer:
             for i in range(cfg.rollout.num_workers)
         ]
         self.rewards = [
-            ray.remote(num_cpus=0)(RewardWorker).remote(cfg) for _ in range(cfg.reward.num_workers)
+            ray.remote(num_cpus=0, max_restarts=cfg.trainer.max_restarts)(RewardWorker).remote(cfg)
+            for _ in range(cfg.reward.num_workers)
         ]
+        self.fault_counts = {"faults/rollout_restarts": 0.0, "faults/reward_restarts": 0.0}
+        self._nonfinite_streak = 0
         world = cfg.trainer.num_learners
         self.learners = [
             self._actor(Learner, cfg.trainer.num_gpus, len(self.rollout) + rank).remote(
@@ -176,15 +185,111 @@ class Trainer:
     def _actor(self, cls, num_gpus: float, bundle_index: int):
         import ray
 
+        # Engines and scorers are stateless between steps (the adapter is re-sent): Ray restarts
+        # them. A learner holds the optimizer state: it is not restarted (the run stops resumable).
+        restarts = self.cfg.trainer.max_restarts if cls is not Learner else 0
         if self._placement is None:
-            return ray.remote(num_cpus=0, num_gpus=num_gpus)(cls)
+            return ray.remote(num_cpus=0, num_gpus=num_gpus, max_restarts=restarts)(cls)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(
             self._placement, placement_group_bundle_index=bundle_index
         )
-        return ray.remote(num_cpus=self.cfg.ray.bundle_cpus, num_gpus=num_gpus,
+        return ray.remote(num_cpus=self.cfg.ray.bundle_cpus, num_gpus=num_gpus, max_restarts=restarts,
                           scheduling_strategy=strategy)(cls)  # fmt: skip
+
+    # ------------------------------------------------------------------ fault handling
+    def _get_with_restarts(self, actor, kind: str, call, future, resync: bool):
+        """ray.get(call(actor)); if the actor died, wait for Ray to restart it, re-send the current
+        adapter (engines), and run the same call again: same arguments, same seeds, so the step's
+        samples are neither lost nor duplicated. Gives up after trainer.max_restarts."""
+        import ray
+
+        for attempt in range(self.cfg.trainer.max_restarts + 1):
+            try:
+                return ray.get(future)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if attempt == self.cfg.trainer.max_restarts:
+                    raise TrainingAborted(
+                        f"a {kind} worker died {attempt + 1} times at step {self.step} ({type(e).__name__}); "
+                        f"giving up: {self._resume_hint()}"
+                    ) from None
+                self.fault_counts[f"faults/{kind}_restarts"] += 1
+                print(f"warning: {kind} worker died at step {self.step}; restarting it and re-running its "
+                      "work", file=sys.stderr)  # fmt: skip
+                if resync:
+                    self._resync(actor)
+                else:
+                    self._until_alive(lambda: ray.get(actor.ping.remote()))
+                future = call(actor)
+        raise AssertionError("unreachable")
+
+    def _resync(self, actor) -> None:
+        """Send the learner's current adapter to a restarted engine (it starts at version 0)."""
+        import ray
+
+        update = ray.get(self.learner.adapter_update.remote())
+        self._until_alive(lambda: ray.get(actor.set_adapter.remote(update)))
+
+    def _until_alive(self, call) -> None:
+        """Run `call` (a blocking call on a just-died actor) until it succeeds. Calls to a
+        restarting actor wait for it; "unavailable" means it is coming back; "died" right after a
+        death is retried briefly; a failed restart (its __init__ raised) is final."""
+        import ray
+
+        start = time.monotonic()
+        while True:
+            try:
+                call()
+                return
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() - start > 300:
+                    raise TrainingAborted(
+                        f"a restarted worker never came back: {self._resume_hint()}"
+                    ) from None
+            except ray.exceptions.RayActorError as e:
+                if time.monotonic() - start > 30:
+                    raise TrainingAborted(
+                        f"a worker could not be restarted ({e}); {self._resume_hint()}"
+                    ) from None
+            time.sleep(1.0)
+
+    def _spec_metrics(self) -> dict[str, float]:
+        """`spec/accept_len`: tokens emitted per verification pass in this step's rollouts (all
+        engines), when DSpark is on."""
+        import ray
+
+        if self.cfg.rollout.dspark.drafter is None or self.cfg.rollout.backend != "native":
+            return {}
+        parts = ray.get([w.spec_stats.remote() for w in self.rollout])
+        steps, acc = sum(p["steps"] for p in parts), sum(p["accepted"] for p in parts)
+        return {"spec/accept_len": (acc + steps) / steps if steps else 0.0, "spec/verify_steps": steps}
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        """Count consecutive steps with skipped (NaN/inf) updates; after trainer.max_nonfinite_steps
+        in a row save a checkpoint (the adapter is still finite: bad updates were skipped) and stop."""
+        bad = metrics.get("actor/nonfinite_updates", 0.0) > 0
+        self._nonfinite_streak = self._nonfinite_streak + 1 if bad else 0
+        metrics["actor/nonfinite_streak"] = float(self._nonfinite_streak)
+        if bad:
+            print(f"warning: step {self.step + 1}: NaN/inf loss or gradient; the update was skipped",
+                  file=sys.stderr)  # fmt: skip
+        if self._nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
+            self.step += 1
+            self.tracker.log(self.step, metrics)
+            saved = self.save()
+            raise TrainingAborted(
+                f"{self._nonfinite_streak} consecutive steps had NaN/inf losses or gradients (last: step "
+                f"{self.step}); stopped with a finite adapter saved in {saved}. Lower optim.lr or raise "
+                "optim.grad_clip's strictness, check the data, then resume=auto"
+            )
+
+    def _resume_hint(self) -> str:
+        from rl.checkpointing import find_latest
+
+        found = find_latest(self.run_dir)
+        where = f"the last complete checkpoint is {found}" if found else "no checkpoint was written yet"
+        return f"{where}; rerun the same command with resume=auto to continue"
 
     # ------------------------------------------------------------------ pieces of a step
     def _sync(self) -> dict[str, float]:
@@ -201,24 +306,34 @@ class Trainer:
         return out
 
     def _rollout(self, prompts: list, n: int, temperature: float, top_p: float, seed: int) -> list[Sample]:
-        import ray
 
         # Seeds come from (seed, global prompt position) and samples are put back in prompt order,
         # so the step's data is the same whatever the number of rollout / reward workers.
         k = len(self.rollout)
-        futures = [
-            w.generate.remote(
-                prompts[i::k], n, temperature, top_p, seed * 7919, self.step, list(range(len(prompts)))[i::k]
+        positions = list(range(len(prompts)))
+        shards = [(i, w) for i, w in enumerate(self.rollout) if prompts[i::k]]
+
+        def gen(i: int):
+            return lambda w: w.generate.remote(
+                prompts[i::k], n, temperature, top_p, seed * 7919, self.step, positions[i::k]
             )
-            for i, w in enumerate(self.rollout)
-            if prompts[i::k]
-        ]
+
+        first = {i: gen(i)(w) for i, w in shards}  # every shard runs before we wait on any
+        maybe_fail(self.cfg.trainer.fault_injection, str(self.run_dir), "driver.rollout", self.step)
+        parts = [self._get_with_restarts(w, "rollout", gen(i), first[i], resync=True) for i, w in shards]
         order = {p.uid: j for j, p in enumerate(prompts)}
-        samples = sorted((s for part in ray.get(futures) for s in part), key=lambda s: order[s.uid])
+        samples = sorted((s for part in parts for s in part), key=lambda s: order[s.uid])
         r = len(self.rewards)
-        parts = ray.get([self.rewards[i].score.remote(samples[i::r]) for i in range(r) if samples[i::r]])
-        for i, part in enumerate(parts):
-            samples[i::r] = part
+        chunks = [(i, samples[i::r]) for i in range(r) if samples[i::r]]
+
+        def score(chunk: list):
+            return lambda w: w.score.remote(chunk, self.step)
+
+        first = {i: score(c)(self.rewards[i]) for i, c in chunks}
+        for i, c in chunks:
+            samples[i::r] = self._get_with_restarts(
+                self.rewards[i], "reward", score(c), first[i], resync=False
+            )
         return samples
 
     def train_step(self) -> dict[str, float]:
@@ -227,6 +342,7 @@ class Trainer:
         c, a = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
         kept: list[Sample] = []
+        generated: list[Sample] = []
         seen_groups, n_rounds, all_rewards, all_acc, lengths, clipped = 0, 0, [], [], [], 0
         while True:
             prompts = self.train_stream.next_batch()
@@ -238,6 +354,7 @@ class Trainer:
                 self.step * 100 + n_rounds,
             )
             n_rounds += 1
+            generated.extend(samples)
             by_uid: dict[str, list[Sample]] = {}
             for s in samples:
                 by_uid.setdefault(s.uid, []).append(s)
@@ -265,14 +382,36 @@ class Trainer:
             "dynamic_sampling/rounds": float(n_rounds),
             "timing_s/gen": t_gen,
         }
+        metrics.update(self._spec_metrics())
+        from rl.data import skipped_row_metrics
+        from rl.rewards import reward_error_metrics
+
+        kinds = [s.extra.get("reward_error_kind") for s in generated]
+        metrics.update(reward_error_metrics([{"error": "", "error_kind": k} if k else {} for k in kinds]))
+        metrics.update(skipped_row_metrics(getattr(self.train_stream, "skipped_rows", {})))
+        # Drafter co-training (rollout worker 0) overlaps the learner's update: both read this
+        # step's rollouts; the drafter learns the policy that generated them.
+        cotrain = self.rollout[0].cotrain_drafter.remote(generated) if c.rollout.dspark.cotrain else None
         if kept:
             group_advantages(kept)
-            metrics.update(ray.get([lrn.timed_train_step.remote(kept) for lrn in self.learners])[0])
+            try:
+                metrics.update(ray.get([lrn.timed_train_step.remote(kept) for lrn in self.learners])[0])
+            except ray.exceptions.RayActorError as e:
+                raise TrainingAborted(
+                    f"the learner died during step {self.step + 1} ({type(e).__name__}); its optimizer state "
+                    f"is gone, so the run stops: {self._resume_hint()}"
+                ) from None
+            self._check_finite(metrics)
             metrics.update(self._sync())
         else:
             metrics["actor/skipped_step"] = 1.0  # every group had equal rewards: nothing to learn from
             ray.get([lrn.skip_step.remote() for lrn in self.learners])
             metrics.update(self._sync())
+        if cotrain is not None:
+            spec, state, version = ray.get(cotrain)
+            ray.get([w.set_drafter.remote(state, version) for w in self.rollout[1:]])
+            metrics.update(spec)
+        metrics.update(self.fault_counts)
         n_tokens = sum(lengths)
         step_s = time.perf_counter() - t0
         metrics["timing_s/step"] = step_s
@@ -289,11 +428,14 @@ class Trainer:
             c.trainer.eval_top_p,
             10**6,
         )
-        return {
+        out = {
             "eval/acc": _mean([s.acc for s in samples]),
             "eval/reward": _mean([s.reward for s in samples]),
             "eval/response_length": _mean([len(s.response_ids) for s in samples]),
         }
+        # eval's own speculation counters (kept out of the next training step's spec/accept_len)
+        out.update({f"eval/{k.removeprefix('spec/')}": v for k, v in self._spec_metrics().items()})
+        return out
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -343,8 +485,13 @@ class Trainer:
         return last
 
     def close(self) -> None:
-        """Stop this run's actors (the Ray instance itself stays up for whoever started it)."""
+        """Stop this run's actors (the Ray instance itself stays up for whoever started it) and close
+        the tracker (idempotent: a finished run's tracker is already closed)."""
         import ray
+
+        tracker = getattr(self, "tracker", None)
+        if tracker is not None:
+            tracker.finish()
 
         try:  # engines with subprocesses (vLLM) stop them first; a dead actor is no reason to fail
             ray.get([w.shutdown.remote() for w in self.rollout], timeout=60)
@@ -364,6 +511,7 @@ class Trainer:
         from rl.checkpointing import capture_rng_state, save_checkpoint
 
         state = ray.get(self.learner.state_dict.remote())
+        maybe_fail(self.cfg.trainer.fault_injection, str(self.run_dir), "driver.save", self.step)
         return save_checkpoint(self.run_dir, self.step, keep_last=self.cfg.trainer.keep_checkpoints, state={
             "learner": state, "step": self.step, "data": self.train_stream.state_dict(),
             "rng": capture_rng_state(), "wandb_run_id": self.tracker.run_id,
@@ -439,6 +587,9 @@ class Trainer:
         cfg["base_model_name_or_path"] = str(self.run_dir / "base_vllm")
         (staging / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "adapter_model.safetensors"))
+        from model.integrity import write_manifest
+
+        write_manifest(staging, ["adapter_model.safetensors"])
         (staging / "nvfp4_source.json").write_text(json.dumps({
             "nvfp4_base_fingerprint": self.base_fingerprint, "step": self.step,
             "metrics": {k: float(v) for k, v in (metrics or {}).items()}}, indent=2))  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,7 @@ from model.checkpoint import base_fingerprint, load_model
 from model.layers.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
 from rl import grpo
 from rl.config import TrainConfig
+from rl.faults import maybe_fail
 from rl.sync import AdapterUpdate, make_update
 from rl.tokenizer import load_tokenizer
 
@@ -100,12 +102,29 @@ class RolloutWorker:
 
         self.model = build_policy(cfg, base_dir).eval()
         self._fingerprint = base_fingerprint(self.model)
+        ds = cfg.rollout.dspark
+        self.drafter, self.cotrainer, spec = None, None, None
+        if ds.drafter is not None:
+            from rollout.dspark import SpecConfig, load_drafter
+
+            self.drafter = load_drafter(
+                ds.drafter, target=self.model, device=self.model.lm_head.weight.device
+            )
+            spec = SpecConfig(mode=ds.mode)
+            if ds.cotrain and index == 0:  # worker 0 trains; the driver publishes to the others
+                from rollout.dspark.cotrain import CoTrainer
+
+                self.cotrainer = CoTrainer(self.model, self.drafter, lr=ds.cotrain_lr, steps=ds.cotrain_steps,
+                                           seed=cfg.trainer.seed)  # fmt: skip
         self.engine = NativeEngine(
             self.model,
             max_pages=cfg.rollout.max_pages,
             max_batch_tokens=cfg.rollout.max_batch_tokens,
             max_num_seqs=cfg.rollout.max_num_seqs,
+            drafter=self.drafter,
+            spec=spec,
         )
+        self._spec_seen = (0, 0)  # (verification passes, accepted drafts) already reported
 
     def _init_vllm(self, base_dir: str) -> None:
         from model.adapter import peft_target_modules
@@ -127,7 +146,8 @@ class RolloutWorker:
             lora_r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_targets=targets,
             max_lora_rank=max(32, cfg.lora.r), kv_cache_dtype=kv,
             gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-            max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed + self.index, drafter=r.drafter,
+            max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed + self.index,
+            drafter=str(Path(r.dspark.drafter) / "dspark") if r.dspark.drafter else None,
             sync=r.vllm_sync, eos_token_id=self.tokenizer.eos_token_id,
         ))  # fmt: skip
 
@@ -164,6 +184,7 @@ class RolloutWorker:
         batch: `positions`, default 0..), so a step's rollouts are the same whatever the worker count."""
         from rollout.engine import Request, SamplingParams
 
+        maybe_fail(self.cfg.trainer.fault_injection, self.cfg.output_dir, "rollout.generate", min_version)
         if self.version < min_version:
             raise RuntimeError(
                 f"rollout worker {self.index} holds adapter v{self.version} but v{min_version} was required: "
@@ -203,6 +224,29 @@ class RolloutWorker:
             )
         return samples
 
+    # ------------------------------------------------------------------ DSpark
+    def spec_stats(self) -> dict[str, float]:
+        """Verification passes and accepted drafts since the last call (this step's speculation)."""
+        s = self.engine.stats()
+        steps, acc = s.spec_steps - self._spec_seen[0], s.spec_accepted - self._spec_seen[1]
+        self._spec_seen = (s.spec_steps, s.spec_accepted)
+        return {"steps": float(steps), "accepted": float(acc)}
+
+    def cotrain_drafter(self, samples: list[Sample]) -> tuple[dict[str, float], dict | None, int]:
+        """Distil the drafter on this step's rollouts (worker 0 only); returns (metrics, the
+        drafter's new weights for the other engines, drafter version)."""
+        from rollout.dspark.cotrain import drafter_state
+
+        seqs = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
+        metrics = self.cotrainer.update(seqs)
+        return metrics, drafter_state(self.drafter, self.model), self.cotrainer.version
+
+    def set_drafter(self, state: dict, version: int) -> None:
+        from rollout.dspark.cotrain import load_drafter_state
+
+        load_drafter_state(self.drafter, state)
+        self.drafter_version = version
+
     def stats(self) -> dict:
         s = self.engine.stats()
         return {
@@ -222,9 +266,16 @@ class RewardWorker:
         self.cfg = cfg
         self.pool = ScoringPool(num_workers=processes)
 
-    def score(self, samples: list[Sample]) -> list[Sample]:
+    def ping(self) -> bool:
+        return True
+
+    def score(self, samples: list[Sample], step: int = -1) -> list[Sample]:
+        maybe_fail(self.cfg.trainer.fault_injection, self.cfg.output_dir, "reward.score", step)
         results = self.pool.score(
-            [s.text for s in samples], [s.ground_truth for s in samples], timeout_s=self.cfg.reward.timeout_s
+            [s.text for s in samples],
+            [s.ground_truth for s in samples],
+            timeout_s=self.cfg.reward.timeout_s,
+            batch_timeout_s=self.cfg.reward.batch_timeout_s,
         )
         r = self.cfg.reward
         shaping = [0.0] * len(samples)
@@ -238,6 +289,7 @@ class RewardWorker:
             s.reward = float(res["score"]) + extra
             if "error" in res:
                 s.extra["reward_error"] = res["error"]
+                s.extra["reward_error_kind"] = res.get("error_kind", "exception")
         return samples
 
 
@@ -328,6 +380,9 @@ class Learner:
         no-grad pass is skipped. Token-mean aggregation is over a mini-batch's response tokens,
         across its micro-batches. The adapter version advances once per call."""
         cfg, a = self.cfg, self.cfg.algo
+        spec, out = cfg.trainer.fault_injection, cfg.output_dir
+        maybe_fail(spec, out, "learner.train_step", self.version)
+        poison = maybe_fail(spec, out, "learner.loss", self.version)
         self.model.train()
         uids = list(dict.fromkeys(s.uid for s in samples))
         per_mini = a.mini_batch_prompts or len(uids)
@@ -344,7 +399,7 @@ class Learner:
                     for batch in mini:
                         batch["old_logp"] = self._logprobs(batch, with_entropy=False)[0]
         sums: dict[str, float] = {}
-        n_updates = a.ppo_epochs * len(batches)
+        n_updates, nonfinite = a.ppo_epochs * len(batches), 0
         for _ in range(a.ppo_epochs):
             for mini in batches:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -359,6 +414,8 @@ class Learner:
                         rollout_logp_BT=batch["rollout_logp"], tis_cap=a.tis_cap,
                     )  # fmt: skip
                     weight = float(mask.sum()) / max(1.0, total_tokens)
+                    if poison:  # injected fault (rl/faults.py): a NaN loss, as overflow would give
+                        loss = loss * float("nan")
                     (loss * weight).backward()
                     metrics = {**metrics, "actor/entropy": grpo.masked_mean(ent_BT.detach(), mask)}
                     for k, v in metrics.items():  # SYNC: metrics once per micro-batch
@@ -367,6 +424,8 @@ class Learner:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
+                else:  # NaN/inf loss or gradient: this update is skipped, the adapter stays finite
+                    nonfinite += 1
                 sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) / n_updates
         if self.world > 1:  # token-weighted shares of the global means: summing them gives the means
             import torch.distributed as dist
@@ -376,6 +435,7 @@ class Learner:
             norm = sums.get("actor/grad_norm", 0.0)  # identical on every learner after the all-reduce
             sums = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p})}
             sums["actor/grad_norm"] = norm
+        sums["actor/nonfinite_updates"] = float(nonfinite)
         self.scheduler.step()
         self.version += 1
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
