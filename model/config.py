@@ -79,10 +79,13 @@ _SPARSE_KEYS = {  # style (a) sparse_attention_config key -> field
 }
 _ALIASES = {"intermediate_size": "moe_intermediate_size", "num_experts": "num_local_experts"}
 # Top level of a style (b) dict besides text_config / vision_config / quantization_config: kept
-# verbatim in `vl_extras` so the vision side round-trips until it is modelled.
+# verbatim in `vl_extras` (round-trip exact); `ModelConfig.vision` parses them with the vision part.
 _VL_TOP_KEYS = frozenset(
     {"image_token_index", "video_token_index", "image_token_id", "video_token_id",
-     "projector_hidden_size", "img_token_compression_config", "merged_hidden_size"}
+     "projector_hidden_size", "img_token_compression_config", "merged_hidden_size",
+     # the released config.json's other multimodal keys (model/vision/config.py VISION_TOP_LEVEL_KEYS)
+     "vision_start_token_id", "vision_end_token_id", "projector_hidden_act", "multimodal_projector_bias",
+     "image_seq_length", "process_image_mode", "vision_feature_layer", "vision_feature_select_strategy"}
 )  # fmt: skip
 
 
@@ -419,6 +422,18 @@ class ModelConfig:
                 f"kv_cache_quant_algo ({kv_dtype!r})"
             )
         return dataclasses.replace(cfg, quantization=quant, kv_cache_dtype=kv_dtype or cfg.kv_cache_dtype)
+
+    @property
+    def vision(self):
+        """The vision tower's `model.vision.VisionConfig` parsed from `vision_config` + `vl_extras`
+        (None for a text-only config); validated on every access, so a bad vision part is named."""
+        if self.vision_config is None:
+            return None
+        from model.vision.config import VisionConfig
+
+        return VisionConfig.from_hf_dict(
+            self.vision_config, self.vl_extras, text_hidden_size=self.hidden_size
+        )
 
     def to_hf_dict(self) -> dict:
         """Style (a) model_type "minimax_m3_text" with the flat style (b) keys, plus the legacy

@@ -464,3 +464,20 @@ def test_replacing_a_bf16_group_with_a_quantized_scheme_keeps_config_valid():
         "lm_head",
         "model.embed_tokens",
     ]
+
+
+def test_released_vl_config_parses_its_vision_part_and_round_trips_it():
+    from model.vision.config import VISION_TOP_LEVEL_KEYS, VisionConfig
+
+    v, top = VisionConfig.preset("m3").to_hf_dict()
+    assert set(top) <= VISION_TOP_LEVEL_KEYS
+    text = ModelConfig.preset("m3").to_hf_dict()
+    d = {"model_type": "minimax_m3_vl", "text_config": text, "vision_config": v, **top}
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.vision == VisionConfig.preset("m3")
+    out = cfg.to_hf_dict()
+    assert out["vision_config"] == v and all(out[k] == top[k] for k in top)
+    assert ModelConfig.preset("tiny").vision is None
+    bad = ModelConfig.from_hf_dict({**d, "vision_config": {**v, "hidden_size": -1}})
+    with pytest.raises(ValueError, match="hidden_size"):
+        _ = bad.vision
