@@ -16,13 +16,12 @@ LoRA deltas before rounding, the reference after), so they agree to a few bf16 u
 """
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.model.interpreted import run_module_interpreted, run_named
 
 CHECKS = [
     "fp32_no_lora_grads_equal_autograd_of_reference",
@@ -160,30 +159,11 @@ def run_checks(names, device="cpu"):
     from model.kernels import triton_moe_train
 
     triton_moe_train.POISON_INTERMEDIATES = True
-    out = {}
-    for name in names:
-        try:
-            ok, msg = globals()[name](device)
-        except Exception as exc:  # reported to the parent test with its message
-            ok, msg = False, f"{type(exc).__name__}: {exc}"
-        out[name] = [bool(ok), "" if ok else str(msg)[:2000]]
-    return out
+    return run_named(globals(), names, device)
 
 
 def run_interpreted(names, timeout_s=600.0):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.model.test_kernels_train_moe", *names],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"interpreted checks failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module_interpreted("tests.model.test_kernels_train_moe", names, timeout_s)
 
 
 @pytest.fixture(scope="module")
