@@ -75,7 +75,7 @@ class CoTrainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             self.opt.step()
-            loss_sum += float(loss)
+            loss_sum += loss.item()
         for p in params:
             p.requires_grad_(False)
         self.drafter.eval()
