@@ -3,7 +3,7 @@ the quickstart's tiny model.
 
     python -m rollout.dspark.train --target runs/_cache/quickstart-base --data arithmetic --out DIR
     python -m rollout.dspark.train --target CKPT --adapter ADAPTER_DIR \
-        --data /work/shared/data/dapo_math_17k.parquet --out DIR
+        --data ../shared/data/dapo_math_17k.parquet --out DIR
 
 What:
 1. Data: prompts (the synthetic arithmetic task, or a verl-style parquet of prompts) completed by
