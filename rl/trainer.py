@@ -26,7 +26,9 @@ import torch
 
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
+from rl.data import skipped_row_metrics
 from rl.faults import maybe_fail
+from rl.rewards import reward_error_metrics
 from rl.workers import Learner, RewardWorker, RolloutWorker, Sample
 
 
@@ -383,9 +385,6 @@ class Trainer:
             "timing_s/gen": t_gen,
         }
         metrics.update(self._spec_metrics())
-        from rl.data import skipped_row_metrics
-        from rl.rewards import reward_error_metrics
-
         kinds = [s.extra.get("reward_error_kind") for s in generated]
         metrics.update(reward_error_metrics([{"error": "", "error_kind": k} if k else {} for k in kinds]))
         metrics.update(skipped_row_metrics(getattr(self.train_stream, "skipped_rows", {})))

@@ -239,7 +239,7 @@ class RolloutWorker:
 
         seqs = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
         metrics = self.cotrainer.update(seqs)
-        return metrics, drafter_state(self.drafter, self.model), self.cotrainer.version
+        return metrics, drafter_state(self.drafter), self.cotrainer.version
 
     def set_drafter(self, state: dict, version: int) -> None:
         from rollout.dspark.cotrain import load_drafter_state

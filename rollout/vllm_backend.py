@@ -414,8 +414,8 @@ class VLLMEngine:
         for (r_idx, i, seed), out in zip(keys, outs, strict=True):
             req, o = requests[r_idx], out.outputs[0]
             ids = list(o.token_ids)
-            lp = [next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
-                  for t, d in zip(ids, o.logprobs or [], strict=True)]  # fmt: skip
+            # logprobs=0: each position's dict holds exactly the sampled token
+            lp = [d[t].logprob for t, d in zip(ids, o.logprobs or [], strict=True)]
             finish = "stop" if o.finish_reason == "stop" else "length"
             completions.append(Completion(
                 request_id=req.request_id or f"req-{r_idx}", sample_index=i,

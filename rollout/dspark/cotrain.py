@@ -42,11 +42,6 @@ class CoTrainer:
         self.lr = lr
         self.version = 0
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        """The drafter's own parameters: the bound target embedding / lm_head are excluded."""
-        shared = {id(p) for p in self.target.parameters()}
-        return [p for p in self.drafter.parameters() if id(p) not in shared]
-
     def update(self, sequences: list[tuple[list[int], int]]) -> dict[str, float]:
         """Distil on `sequences` ((token ids, prompt length) pairs of the policy's rollouts);
         returns `spec/cotrain_*` metrics, including the accepted length before the update."""
@@ -54,7 +49,9 @@ class CoTrainer:
         seqs = [(ids, p) for ids, p in sequences if len(ids) - p >= 2]
         if not seqs:
             return {"spec/cotrain_sequences": 0.0}
-        params = self._trainable()
+        params = list(
+            self.drafter.parameters()
+        )  # its own only: the bound embedding/lm_head are not submodules
         if self.opt is None:
             self.opt = torch.optim.AdamW(params, lr=self.lr, betas=(0.9, 0.98))
         self.target.eval()
@@ -90,10 +87,10 @@ class CoTrainer:
         }
 
 
-def drafter_state(drafter: Drafter, target: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The drafter's own tensors (not the target's shared embedding / lm_head), CPU copies."""
-    shared = {id(p) for p in target.parameters()}
-    return {n: p.detach().to("cpu", copy=True) for n, p in drafter.named_parameters() if id(p) not in shared}
+def drafter_state(drafter: Drafter) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors (the target's shared embedding / lm_head are not among its
+    parameters), CPU copies."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in drafter.named_parameters()}
 
 
 @torch.no_grad()
