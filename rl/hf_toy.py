@@ -26,7 +26,7 @@ import torch
 from rl.data import arithmetic_dataset
 from rl.rewards import score_math_dapo
 from rl.tokenizer import ByteTokenizer
-from rl.warmup import _batch, _example
+from rl.warmup import answer_example, sft_batch
 
 INFO_FILE = "warmup.json"
 
@@ -89,7 +89,8 @@ def build_hf_toy_base(
     model = tiny_qwen3(seed)
     tok = ByteTokenizer()
     examples = [
-        _example(tok, p) for p in arithmetic_dataset(4096, seed=0, max_operand=max_operand, split="train")
+        answer_example(tok, p)
+        for p in arithmetic_dataset(4096, seed=0, max_operand=max_operand, split="train")
     ]
     evals = arithmetic_dataset(128, seed=0, max_operand=max_operand, split="eval")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -97,7 +98,7 @@ def build_hf_toy_base(
     t0, acc, step = time.perf_counter(), 0.0, 0
     for step in range(1, max_steps + 1):
         model.train()
-        inp, tgt, mask = _batch(
+        inp, tgt, mask = sft_batch(
             [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen)]
         )
         logp = torch.log_softmax(model(input_ids=inp).logits.float(), -1).gather(-1, tgt[..., None])[..., 0]

@@ -38,13 +38,15 @@ from rl.tokenizer import ByteTokenizer
 INFO_FILE = "warmup.json"
 
 
-def _example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], int]:
+def answer_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], int]:
+    """(prompt + "Answer: <truth>" + EOS ids, prompt length): one supervised warm-up example."""
     prompt = tok.encode(tok.apply_chat_template(p.messages))
     answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
     return prompt + answer, len(prompt)
 
 
-def _batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (inputs, targets, loss mask on answer tokens) of `answer_example`s."""
     T = max(len(ids) for ids, _ in examples) - 1
     inp = torch.zeros(len(examples), T, dtype=torch.long)
     tgt = torch.zeros_like(inp)
@@ -124,14 +126,14 @@ def build_quickstart_base(
     tok = ByteTokenizer()
     train = arithmetic_dataset(num_train, seed=0, max_operand=max_operand, split="train")
     evals = arithmetic_dataset(num_eval, seed=0, max_operand=max_operand, split="eval")
-    examples = [_example(tok, p) for p in train]
+    examples = [answer_example(tok, p) for p in train]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     t0, acc, step = time.perf_counter(), 0.0, 0
     for step in range(1, max_steps + 1):
         model.train()
         idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        inp, tgt, mask = _batch([examples[i] for i in idx])
+        inp, tgt, mask = sft_batch([examples[i] for i in idx])
         logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
