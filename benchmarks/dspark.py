@@ -61,21 +61,21 @@ def eval_prompts(n: int) -> list[tuple[int, ...]]:
 def train_target(preset: str, device: str, seconds: float, max_steps: int, log=log) -> MiniMaxM3ForCausalLM:
     """`preset` trained on "a+b=" -> "Answer: c<eos>" for `seconds` (float experts), then its routed
     experts quantized to NVFP4 as the product serves them; bf16 for serving on a GPU."""
-    from rl.warmup import _batch, _example, quantized_copy
+    from rl.warmup import answer_example, quantized_copy, sft_batch
 
     torch.manual_seed(0)
     cfg = ModelConfig.preset(preset)
     float_cfg = dataclasses.replace(cfg, quantization=QuantConfig(routed_experts="bf16"))
     model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=0).to(device)
     model.requires_grad_(True)
-    examples = [_example(TOK, p) for p in arithmetic_dataset(4096, seed=0, split="train")]
+    examples = [answer_example(TOK, p) for p in arithmetic_dataset(4096, seed=0, split="train")]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     t0, step, loss = time.perf_counter(), 0, torch.zeros(())
     while step < max_steps and time.perf_counter() - t0 < seconds:
         step += 1
         idx = torch.randint(len(examples), (64,), generator=gen).tolist()
-        inp, tgt, mask = (x.to(device) for x in _batch([examples[i] for i in idx]))
+        inp, tgt, mask = (x.to(device) for x in sft_batch([examples[i] for i in idx]))
         with torch.autocast(
             device_type="cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"
         ):

@@ -22,6 +22,7 @@ No ray / wandb / vllm / datasets imports.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -183,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-routed-lora", action="store_true", help="no adapter on the routed experts")
     p.add_argument("--no-kv-sim", dest="kv_sim", action="store_false")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="override the preset's routed experts per layer (e.g. 128, as M3.1-Flash has: the weight mix "
+        "then resembles the real model's, where routed experts are most of the bytes)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny preset, short batch (CPU smoke test)")
     p.add_argument("--json", default=None, help="append one JSON line per result here")
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.batch, args.seq_len, args.repeats, args.rank = "tiny", 2, 64, 1, 4
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = ModelConfig.preset(args.preset)
+    if args.experts is not None:
+        cfg = dataclasses.replace(cfg, num_local_experts=args.experts)
     header = {
         "bench": "learner",
         "device": args.device,
@@ -201,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         "rank": args.rank,
         "routed_lora": not args.no_routed_lora,
         "kv_sim": args.kv_sim,
+        "experts": cfg.num_local_experts,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
     }
