@@ -47,7 +47,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.integrity import MANIFEST_FILE, IntegrityError, fsync_path, verify_manifest, write_manifest
-from model.layers.lora import ExpertLoRA, LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
+from model.layers.lora import (
+    PROJECTOR_TARGETS,
+    ExpertLoRA,
+    LoRAConfig,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -76,10 +83,18 @@ class AdapterMetadata:
 
 
 # ------------------------------------------------------------------------------ key mapping
+# Vision projector adapters: the model holds the projector under `vision.`, the released checkpoint
+# (and so the PEFT file) at the top level (`multi_modal_projector.linear_1`, model/vision/tower.py).
+_VISION_PREFIX = "vision."
+_PROJECTOR_PREFIXES = tuple(f"{m}." for m in PROJECTOR_TARGETS)
+
+
 def to_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`lora_state_dict` names -> PEFT file names (stacked expert factors split per expert)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        if name.startswith(_VISION_PREFIX) and name[len(_VISION_PREFIX) :].startswith(_PROJECTOR_PREFIXES):
+            name = name[len(_VISION_PREFIX) :]
         m = _BANK_RE.match(name)
         if m:
             bank, proj, ab = m.groups()
@@ -100,6 +115,8 @@ def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                 f"adapter tensor {name!r} does not start with {PEFT_PREFIX!r}: not a PEFT file"
             )
         name = name[len(PEFT_PREFIX) :]
+        if name.startswith(_PROJECTOR_PREFIXES):
+            name = _VISION_PREFIX + name
         m = _PEFT_EXPERT_RE.match(name)
         if m:
             bank, e, proj, ab = m.groups()
@@ -125,18 +142,27 @@ _PEFT_SUFFIXES = {
 }
 
 
-def peft_target_modules(targets: list[str]) -> list[str]:
-    return sorted(s for t in targets for s in _PEFT_SUFFIXES[t])
+def peft_target_modules(targets: list[str], projector_modules: list[str] = ()) -> list[str]:
+    projector = [f"{m}.{leaf}" for m in projector_modules for leaf in ("linear_1", "linear_2")]
+    return sorted([s for t in targets for s in _PEFT_SUFFIXES[t]] + projector)
 
 
 def logical_targets(peft_targets: list[str]) -> list[str]:
-    """Inverse of `peft_target_modules`; bare names (other tools' adapters) are accepted too."""
+    """Inverse of `peft_target_modules` for the text targets (projector entries are left to
+    `projector_targets`); bare names (other tools' adapters) are accepted too."""
     out = []
     for s in peft_targets:
+        if s.startswith(_PROJECTOR_PREFIXES):
+            continue
         leaf = s.rpartition(".")[2]
         if leaf not in out:
             out.append(leaf)
     return out
+
+
+def projector_targets(peft_targets: list[str]) -> list[str]:
+    """The vision projector modules named by PEFT target entries (`multi_modal_projector.linear_1`...)."""
+    return [m for m in PROJECTOR_TARGETS if any(s.startswith(f"{m}.") for s in peft_targets)]
 
 
 def peft_config_dict(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
@@ -149,7 +175,7 @@ def peft_config_dict(cfg: LoRAConfig, base_model_name_or_path: str | None) -> di
         "r": cfg.r,
         "lora_alpha": alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": peft_target_modules(cfg.target_modules),
+        "target_modules": peft_target_modules(cfg.target_modules, cfg.projector_modules),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -239,7 +265,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
         cfg = LoRAConfig(
             r=raw.get("r"), alpha=raw.get("lora_alpha"), dropout=raw.get("lora_dropout", 0.0),
             target_modules=logical_targets(targets), routed_experts=meta.routed_experts,
-            dtype=meta.adapter_dtype,
+            dtype=meta.adapter_dtype, projector_modules=projector_targets(targets),
         )  # fmt: skip
     except (ValueError, TypeError) as e:
         raise AdapterError(f"{path / CONFIG_FILE}: {e}") from None
@@ -301,7 +327,7 @@ def load_adapter(
     against another base."""
     cfg, tensors, meta = read_adapter(path)
     if expected is not None:
-        for f in ("r", "alpha", "routed_experts"):
+        for f in ("r", "alpha", "routed_experts", "projector_modules"):
             if getattr(cfg, f) != getattr(expected, f):
                 raise AdapterError(
                     f"{path}: adapter {f}={getattr(cfg, f)!r} but {getattr(expected, f)!r} expected"

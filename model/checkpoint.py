@@ -23,6 +23,12 @@ bit for bit.
 Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
 unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
 
+Vision (configs with a vision part): the tower and projector are saved and loaded under the released
+checkpoint's top-level names (`vision_tower.*`, `multi_modal_projector.*`, `patch_merge_mlp.*`) by
+model/vision/weights.py, stored as the vision config's `weight_dtype` says (bf16 by default; MXFP8
+if configured), never through the text model's quantization groups: an NVFP4 text config never
+quantizes a vision weight. A text-only config skips those tensors of a VL checkpoint.
+
 Integrity: `ShardWriter.close()` writes the index, then `checksums.json` (sha256 + size of every
 shard, model/integrity.py) last, atomically; readers (`iter_tensors`, hence `load_model` and
 `model.convert`) verify the shards they are about to read against it first, so a truncated or
@@ -50,6 +56,7 @@ from model.integrity import IntegrityError, fsync_path, verify_manifest, write_m
 from model.layers.attention import Attention
 from model.modeling import MiniMaxM3ForCausalLM
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from model.vision.weights import VisionWeightError, load_vision_checkpoint, vision_state_for_save
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -241,6 +248,12 @@ def load_model(
         raise CheckpointError(
             f"{path}: expert {bank_name}.{e} is incomplete (has {sorted(tensors)}); the checkpoint is partial"
         )
+    if model.vision is not None:  # its own reader: only the shards holding vision tensors
+        try:
+            load_vision_checkpoint(model.vision, path)
+        except VisionWeightError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        loaded.update(f"vision.{n}" for n, _ in model.vision.named_parameters())
 
     if unexpected:
         raise CheckpointError(
@@ -318,6 +331,8 @@ def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Ten
     for name, t in model.state_dict().items():
         if name.startswith(bank_prefixes) or _is_derived(name) or "lora_" in name:
             continue  # adapters are saved by model/adapter.py, never as base weights
+        if name.startswith("vision."):
+            continue  # written below under the checkpoint's names, in the vision storage dtype
         module = name.rpartition(".")[0]
         fmt = cfg.module_dtype(module) if name.endswith(".weight") and t.dim() == 2 else "bf16"
         if name.startswith(("lm_head", "model.embed_tokens")) or ".norm" in name or "layernorm" in name:
@@ -335,6 +350,8 @@ def state_for_save(model: MiniMaxM3ForCausalLM) -> Iterator[tuple[str, torch.Ten
             yield f"{module}.weight_scale", scale
         else:
             yield name, t.detach().contiguous()
+    if model.vision is not None:
+        yield from vision_state_for_save(model.vision).items()
     for bank_name, bank in _banks(model):
         for e in range(bank.num_experts):
             for k, v in bank.expert_state(e).items():

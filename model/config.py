@@ -38,7 +38,7 @@ LayerType = Literal["full_attention", "minimax_m3_sparse"]
 MlpLayerType = Literal["dense", "sparse"]
 
 QUANT_GROUPS = ("routed_experts", "shared_experts", "dense_mlp", "attention")
-PRESETS = ("m3", "m3.1-flash", "small", "tiny")
+PRESETS = ("m3", "m3.1-flash", "small", "tiny", "tiny-vl")
 
 # K-dim granularity each scheme's block scales need (NVFP4: 16-value blocks, MXFP8: 32).
 _K_MULTIPLE = {"bf16": 1, "fp8": 1, "mxfp8": 32, "nvfp4": 16}
@@ -380,6 +380,13 @@ class ModelConfig:
                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
                 quantization=QuantConfig(routed_experts="nvfp4"),
             )  # fmt: skip
+        if name == "tiny-vl":
+            # `tiny` plus the tiny vision tower (model/vision/config.py), written as the released
+            # minimax_m3_vl config.json spells it, so it saves and reloads like a real VL checkpoint.
+            from model.vision.config import VisionConfig
+
+            vision, top = VisionConfig.preset("tiny").to_hf_dict()
+            return dataclasses.replace(cls.preset("tiny"), vision_config=vision, vl_extras=top)
         raise ValueError(f"unknown preset {name!r}; valid presets: {list(PRESETS)}")
 
     # ----------------------------------------------------------------------------- HF I/O

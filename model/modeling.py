@@ -12,6 +12,14 @@ Why one file: the whole network should fit on a few screens; the numerics live i
 model/kernels, this file only wires them. Module and parameter names copy the checkpoint
 (`model.layers.{i}.self_attn.q_proj`, `...block_sparse_moe.experts`), so loading is a straight copy.
 
+Images (configs with a vision part, `config.vision`): `self.vision` is the frozen tower + projector
+(model/vision/tower.py; never quantized, never adapted by the text LoRA). The training entry points
+take `images` (`ProcessedImage`s in prompt order, rows concatenated over the batch in reading
+order) or precomputed `image_features_NE`, and overwrite the embedding rows of the image
+placeholder ids with the features right after `embed_tokens`; `forward_cached` takes the feature
+rows of exactly the placeholder tokens in its T new tokens (the engine slices them per prefill
+chunk), so a chunk boundary may fall inside an image's span.
+
 Invariants: routed experts are frozen (NVFP4 buffers or frozen float parameters), never upcast as
 a whole; `forward_cached` token by token reproduces `forward` (tested to 1e-5 in fp32), and with an
 NVFP4 cache it reproduces `forward(kv_sim=True)`, which quantize-dequantizes K/V exactly as the
@@ -21,6 +29,9 @@ Legend: B batch, S sequence, T flattened tokens, D hidden, V vocab, P pages per 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +43,10 @@ from model.kv_cache import KVCache
 from model.layers.attention import Attention
 from model.layers.moe import DenseMLP, MoE
 from model.layers.norm import RMSNorm
+from model.vision.tower import VisionModel, merge_image_features
+
+if TYPE_CHECKING:
+    from model.vision.preprocess import ProcessedImage
 
 
 class DecoderLayer(nn.Module):
@@ -99,13 +114,25 @@ class MiniMaxM3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        vcfg = config.vision
+        if vcfg is not None:
+            bad = [i for i in _vision_ids(vcfg) if i >= config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"vision token ids {bad} are outside the vocabulary (vocab_size={config.vocab_size}); "
+                    "the vision part of the config belongs to another text model"
+                )
+        # Registered after lm_head: the text parameters keep their order (and init_weights draws).
+        self.vision = VisionModel(vcfg).requires_grad_(False) if vcfg is not None else None
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int = 0) -> MiniMaxM3ForCausalLM:
         """Fresh random weights (tiny models, tests): N(0, std^2) linears, embeddings and experts;
         norms at 0 (Gemma norms scale by 1 + w); router bias 0. Deterministic given `seed`."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        for p in self.parameters():
+        for name, p in self.named_parameters():
+            if name.startswith("vision."):
+                continue  # its own init below (LayerNorms at 1, biases random)
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             else:
@@ -114,6 +141,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
             if hasattr(layer, "block_sparse_moe"):
                 layer.block_sparse_moe.experts.init_normal_(std, generator=gen)
                 layer.block_sparse_moe.e_score_correction_bias.zero_()
+        if self.vision is not None:
+            self.vision.init_weights(std, seed)
         return self
 
     def new_kv_cache(self, num_pages: int, device: torch.device | str | None = None, **kwargs) -> KVCache:
@@ -125,6 +154,40 @@ class MiniMaxM3ForCausalLM(nn.Module):
             cache.set_scales(i, *layer.self_attn.kv_scales())
         return cache
 
+    # ------------------------------------------------------------------ images
+    @property
+    def vision_token_ids(self) -> tuple[int, ...]:
+        """Ids that stand for image content (placeholders and brackets): never sampled, never targets."""
+        return () if self.vision is None else _vision_ids(self.vision.config)
+
+    def image_features(self, images: Sequence[ProcessedImage]) -> torch.Tensor:
+        """Text-width features [N, D] of `images`, concatenated in order (model/vision/tower.py)."""
+        if self.vision is None:
+            raise ValueError(
+                "this model has no vision tower (its config has no vision_config): image inputs need a "
+                "minimax_m3_vl checkpoint or the tiny-vl preset"
+            )
+        return torch.cat(self.vision.encode_images(images))
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        images: Sequence[ProcessedImage] | None = None,
+        image_features_NE: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings with the image placeholder rows replaced by image features (reading
+        order over the whole batch; their number must equal the placeholder count)."""
+        x = self.model.embed_tokens(input_ids)
+        if images:
+            if image_features_NE is not None:
+                raise ValueError("give images or image_features_NE, not both")
+            image_features_NE = self.image_features(images)
+        if image_features_NE is None:
+            return x
+        if self.vision is None:
+            raise ValueError("image_features_NE given to a model without a vision tower")
+        return merge_image_features(x, input_ids, image_features_NE, self.vision.config.image_token_id)
+
     # ------------------------------------------------------------------ training forward
     def hidden_states(
         self,
@@ -132,14 +195,17 @@ class MiniMaxM3ForCausalLM(nn.Module):
         positions_BS: torch.Tensor | None = None,
         seq_ids_BS: torch.Tensor | None = None,
         kv_sim: bool = False,
+        images: Sequence[ProcessedImage] | None = None,
+        image_features_NE: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, S, D]. `seq_ids_BS` marks packed sequences (equal ids attend
-        to each other; -1 = padding); `positions_BS` then restart at 0 per packed sequence."""
+        to each other; -1 = padding); `positions_BS` then restart at 0 per packed sequence.
+        `images` / `image_features_NE`: see the module docstring."""
         if positions_BS is None:
             positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(
                 input_ids_BS
             )
-        x_BSD = self.model.embed_tokens(input_ids_BS)
+        x_BSD = self.embed(input_ids_BS, images, image_features_NE)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x_BSD = checkpoint(layer, x_BSD, positions_BS, seq_ids_BS, kv_sim, use_reentrant=False)
@@ -153,9 +219,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         positions_BS: torch.Tensor | None = None,
         seq_ids_BS: torch.Tensor | None = None,
         kv_sim: bool = False,
+        images: Sequence[ProcessedImage] | None = None,
+        image_features_NE: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, S, V] in fp32."""
-        h_BSD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim)
+        h_BSD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim, images, image_features_NE)
         return self.lm_head(h_BSD).float()
 
     def token_logprobs(
@@ -168,12 +236,16 @@ class MiniMaxM3ForCausalLM(nn.Module):
         chunk_tokens: int = 1024,
         with_entropy: bool = False,
         temperature: float = 1.0,
+        images: Sequence[ProcessedImage] | None = None,
+        image_features_NE: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(targets[b, s] | input[b, :s+1]) as fp32 [B, S], and the entropy of each position's
         distribution when asked. Logits are formed `chunk_tokens` rows at a time so a 200K vocab
         never needs [B, S, V] in memory (each chunk is recomputed in backward by checkpointing).
         `temperature` divides the logits first: the distribution the engine sampled from."""
-        h_TD = self.hidden_states(input_ids_BS, positions_BS, seq_ids_BS, kv_sim).flatten(0, 1)
+        h_TD = self.hidden_states(
+            input_ids_BS, positions_BS, seq_ids_BS, kv_sim, images, image_features_NE
+        ).flatten(0, 1)
         targets_T = targets_BS.flatten()
         logp_parts, ent_parts = [], []
         for start in range(0, h_TD.shape[0], chunk_tokens):
@@ -201,11 +273,19 @@ class MiniMaxM3ForCausalLM(nn.Module):
         block_tables_BP: torch.Tensor,
         seq_lens_B: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
+        image_features_NE: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append T new tokens to the paged cache and return fp32 logits for `logits_indices`
         (default: every token). `seq_lens_B` counts each sequence's tokens *including* the new
-        ones; the caller's page tables must already cover them."""
+        ones; the caller's page tables must already cover them. `image_features_NE` holds one row
+        per image placeholder among the T tokens, in order (the caller counted them on the host:
+        no device sync here)."""
         x_TD = self.model.embed_tokens(input_ids_T)
+        if image_features_NE is not None:
+            if self.vision is None:
+                raise ValueError("image_features_NE given to a model without a vision tower")
+            is_image_T1 = (input_ids_T == self.vision.config.image_token_id).unsqueeze(-1)
+            x_TD = x_TD.masked_scatter(is_image_T1, image_features_NE.to(x_TD.dtype))
         for layer in self.model.layers:
             x_TD = layer.forward_cached(x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B)
         if logits_indices is not None:
@@ -220,6 +300,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
             if hasattr(layer, "block_sparse_moe"):
                 n += layer.block_sparse_moe.experts.num_quantized_values()
         return n
+
+
+def _vision_ids(vcfg) -> tuple[int, ...]:
+    ids = (vcfg.image_token_id, vcfg.video_token_id, vcfg.vision_start_token_id, vcfg.vision_end_token_id)
+    return tuple(i for i in ids if i is not None)
 
 
 def _chunk_logprobs(

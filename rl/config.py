@@ -41,7 +41,7 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 ModelDtype = Literal["fp32", "bf16"]
 AdapterDtype = Literal["float32", "bfloat16"]
-DataKind = Literal["arithmetic", "dapo_math"]
+DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]
 RolloutBackend = Literal["native", "vllm"]
 ModelFamily = Literal["minimax_m3", "hf"]
 VLLMSync = Literal["auto", "tensors", "ramdir"]
@@ -51,6 +51,7 @@ CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Device = Literal["cpu", "cuda"]
+LearnerParallel = Literal["dp", "dep"]
 TrackingMode = Literal["offline", "online", "disabled"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
@@ -63,6 +64,7 @@ LORA_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
     "gate_proj", "up_proj", "down_proj",
 )  # fmt: skip
+PROJECTOR_TARGETS = ("multi_modal_projector", "patch_merge_mlp")  # model.layers.lora.ProjectorTarget
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -130,16 +132,24 @@ class LoRASection:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     routed_experts: bool = False
     dtype: AdapterDtype = "float32"
+    # Vision models: adapt the image projector too (multi_modal_projector / patch_merge_mlp); the
+    # tower stays frozen. Native backend only (vLLM's LoRA does not cover the projector).
+    projector_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
+        _require(
+            not bad, f"lora.projector_modules: unknown module(s) {bad}; valid: {list(PROJECTOR_TARGETS)}"
+        )
         _require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
         _require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
         bad = [m for m in self.target_modules if m not in LORA_TARGETS]
         _require(not bad, f"lora.target_modules: unknown module(s) {bad}; valid: {list(LORA_TARGETS)}")
         _require(
-            bool(self.target_modules) or self.routed_experts,
-            "lora: no adapter target (target_modules is empty and routed_experts is false)",
+            bool(self.target_modules) or self.routed_experts or bool(self.projector_modules),
+            "lora: no adapter target (target_modules and projector_modules are empty and routed_experts "
+            "is false)",
         )
 
 
@@ -147,6 +157,9 @@ class LoRASection:
 class DataSection:
     """Prompts. `dapo_math`: the hub datasets `hub_train` / `hub_eval` first, falling back to the
     local parquet files `train_path` / `eval_path` (verl schema) when the hub is unreachable.
+    `geo_vision`: image+text math prompts in the Geometry3K format (rl/geo_data.py), the same hub-then-
+    local order, reading the hub splits `hub_train_split` / `hub_eval_split`; rows with more than
+    `max_images` images or an image over `max_image_pixels` (width x height) are skipped.
     `arithmetic`: a synthetic dataset (rl/data.py) of `num_train` / `num_eval` problems over
     integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format."""
 
@@ -155,6 +168,11 @@ class DataSection:
     eval_path: str | None = None
     hub_train: str | None = None
     hub_eval: str | None = None
+    # geo_vision only (DAPO-Math-17K and AIME-2024 on the hub have a single "train" split).
+    hub_train_split: str = "train"
+    hub_eval_split: str = "test"
+    max_images: int = 1
+    max_image_pixels: int = 1 << 24  # rl.data.MAX_IMAGE_PIXELS
     max_prompt_tokens: int = 512
     num_train: int = 4096
     num_eval: int = 128
@@ -163,7 +181,11 @@ class DataSection:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _at_least(self, "data", 1, "max_prompt_tokens")
+        _at_least(self, "data", 1, "max_prompt_tokens", "max_images", "max_image_pixels")
+        _require(
+            bool(self.hub_train_split) and bool(self.hub_eval_split),
+            "data.hub_train_split / data.hub_eval_split must name a split (e.g. train, test)",
+        )
         if self.kind == "arithmetic":
             _at_least(self, "data", 1, "num_train", "max_operand")
             _at_least(self, "data", 0, "num_eval")
@@ -183,18 +205,26 @@ class DSparkSection:
     """DSpark speculative decoding in the native engine (rollout/dspark). `drafter`: a directory
     holding `dspark/` (python -m rollout.dspark.train); None = no speculation. `mode`: how many
     drafts are verified per step ("scheduled" by the drafter's confidence, or all: "fixed").
-    `cotrain`: distil the drafter on every step's rollouts (`cotrain_steps` optimizer steps at
-    `cotrain_lr`) and publish it to every engine, so acceptance follows the changing policy."""
+    `cotrain`: distil the drafter on the rollouts of the last `cotrain_replay_steps` steps
+    (`cotrain_steps` optimizer steps at `cotrain_lr`, every `cotrain_every` steps; `cotrain_focus`
+    > 0 weights the positions whose drafts would be rejected more) and publish it to every engine,
+    so acceptance follows the changing policy (rollout/dspark/cotrain.py)."""
 
     drafter: str | None = None
     mode: SpecMode = "scheduled"
     cotrain: bool = False
     cotrain_steps: int = 20
     cotrain_lr: float = 5e-4
+    cotrain_every: int = 1
+    cotrain_replay_steps: int = 4
+    cotrain_focus: float = 0.0
 
     def __post_init__(self) -> None:
-        _at_least(self, "rollout.dspark", 1, "cotrain_steps")
+        _at_least(self, "rollout.dspark", 1, "cotrain_steps", "cotrain_every", "cotrain_replay_steps")
         _require(self.cotrain_lr > 0, f"rollout.dspark.cotrain_lr must be > 0, got {self.cotrain_lr}")
+        _require(
+            self.cotrain_focus >= 0, f"rollout.dspark.cotrain_focus must be >= 0, got {self.cotrain_focus}"
+        )
         _require(
             not self.cotrain or self.drafter is not None,
             "rollout.dspark.cotrain=true needs rollout.dspark.drafter=DIR (a drafter to start from; "
@@ -332,7 +362,9 @@ class TrainerSection:
     `micro_batch_size` sequences per learner forward/backward. `kv_sim` makes the learner's attention
     see K/V through the engine's cache quantization. `num_learners` learner actors (data parallel:
     each takes a shard of every mini-batch, LoRA gradients are all-reduced, so all hold the same
-    adapter) request `num_gpus` each; `torch_threads` CPU threads per learner;
+    adapter) request `num_gpus` each; `learner_parallel=dep` also shards the routed experts and their
+    adapters over the learners (attention data parallel, MoE expert parallel: tokens exchanged by
+    all-to-all; model/parallel/dep_learner.py); `torch_threads` CPU threads per learner;
     `keep_checkpoints` is how many step checkpoints stay."""
 
     total_steps: int = 100
@@ -348,6 +380,7 @@ class TrainerSection:
     device: Device = "cpu"
     kv_sim: bool = False
     num_learners: int = 1
+    learner_parallel: LearnerParallel = "dp"
     num_gpus: float = 0.0
     torch_threads: int = 1
     # Reliability: a rollout/reward actor that dies is restarted up to `max_restarts` times (its
@@ -451,6 +484,17 @@ class TrainConfig:
             self.model.family != "hf" or self.rollout.backend == "vllm",
             "model.family=hf runs on the vLLM backend only (the native engine serves MiniMax-M3): "
             "set rollout.backend=vllm",
+        )
+        _require(
+            not self.lora.projector_modules
+            or (self.rollout.backend == "native" and self.model.family == "minimax_m3"),
+            "lora.projector_modules adapts the vision projector, which only the native engine serves with "
+            "an adapter: set rollout.backend=native (model.family=minimax_m3) or lora.projector_modules=[]",
+        )
+        _require(
+            self.trainer.learner_parallel == "dp" or self.model.family == "minimax_m3",
+            "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
+            "use trainer.learner_parallel=dp",
         )
         if self.trainer.device == "cpu":
             _require(

@@ -1,14 +1,17 @@
-"""Prompt datasets for GRPO: DAPO-Math-17K, AIME-2024, synthetic arithmetic, and a resumable stream.
+"""Prompt datasets for GRPO: DAPO-Math-17K, AIME-2024, synthetic arithmetic, the visual geo_vision
+(Geometry3K format, rl/geo_data.py), and a resumable stream.
 
 What: every dataset becomes a list of `Prompt(uid, messages, ground_truth, data_source)` whose user
-message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). `PromptStream` serves
-batches in a per-epoch shuffled order that depends only on (seed, epoch), with a cursor that
-`state_dict()` / `load_state_dict()` carry across a checkpoint, so a resumed run sees exactly the
-prompts an uninterrupted one would.
+message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). Text datasets give a
+message `content` string; geo_vision gives a list of OpenAI-style content parts (image_url + text).
+`PromptStream` serves batches in a per-epoch shuffled order that depends only on (seed, epoch), with
+a cursor that `state_dict()` / `load_state_dict()` carry across a checkpoint, so a resumed run sees
+exactly the prompts an uninterrupted one would.
 
 Why this shape: records are typed dataclasses (they cross Ray actor boundaries); the hub is tried
-first as the recipes say, but offline machines fall back, with a logged message, to a local verl-style
-parquet (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}).
+first as the recipes say, but offline machines fall back, with a logged message, to a local parquet:
+verl-style (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}), or
+for geo_vision the hub's own Geometry3K columns (images, problem, answer).
 
 Malformed rows never crash a run: a row that is not a mapping, has no usable user message (missing,
 wrong type, empty, not encodable as UTF-8, longer than `MAX_PROMPT_CHARS`), or no string ground
@@ -54,19 +57,25 @@ _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, lar
 # math problems are a few thousand characters at most, and tokenizing megabytes would stall loading.
 MAX_PROMPT_CHARS = 1 << 16
 MAX_ANSWER_CHARS = 1024  # mirrors rl.rewards.MAX_TRUTH_CHARS: a longer reference could never be matched
+GEO3K_HUB = "hiyouga/geometry3k"
+MAX_IMAGE_PIXELS = 1 << 24  # 4096 x 4096: a guard against decompression bombs, far above any diagram
+MAX_IMAGE_BYTES = 20 << 20  # encoded bytes of one image (model.vision's VisionConfig.max_image_bytes)
 SkipReason = Literal[
     "not_a_mapping", "bad_prompt", "no_user_message", "empty_prompt", "prompt_too_long",
     "prompt_not_utf8", "missing_answer", "answer_not_string", "empty_answer", "answer_too_long",
-    "prompt_too_many_tokens",
+    "prompt_too_many_tokens", "no_image", "too_many_images", "bad_image", "image_too_large",
+    "image_marker_mismatch",
 ]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt. `messages` is a chat ([{role, content}]); `ground_truth` the reference answer."""
+    """One prompt. `messages` is a chat ([{role, content}]), `content` a string or, for image prompts,
+    a list of OpenAI-style parts ({"type": "text", ...}, {"type": "image_url", ...}); `ground_truth`
+    the reference answer."""
 
     uid: str
-    messages: list[dict[str, str]] = field(hash=False)
+    messages: list[dict[str, Any]] = field(hash=False)
     ground_truth: str
     data_source: str
 
@@ -90,14 +99,16 @@ def _uid(source: str, problem: str) -> str:
 
 
 # --------------------------------------------------------------------------- verl-style rows
-def _check_columns(columns: Iterable[str], where: str) -> None:
+VERL_SCHEMA = "verl-style columns data_source, prompt = [{role, content}], reward_model = {ground_truth}"
+
+
+def _check_columns(
+    columns: Iterable[str], where: str, required: Sequence[str] = REQUIRED_COLUMNS, schema: str = VERL_SCHEMA
+) -> None:
     columns = list(columns)
-    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    missing = [c for c in required if c not in columns]
     if missing:
-        raise ValueError(
-            f"{where} is missing column {missing[0]!r} (needs verl-style columns data_source, "
-            f"prompt = [{{role, content}}], reward_model = {{ground_truth}}); it has {columns}"
-        )
+        raise ValueError(f"{where} is missing column {missing[0]!r} (needs {schema}); it has {columns}")
 
 
 def _row_problem_and_truth(row: Any, max_prompt_chars: int) -> tuple[str, str] | SkipReason:
@@ -164,14 +175,19 @@ def records_from_rows(
             Prompt(_uid(uid_prefix, problem), messages, truth, source if isinstance(source, str) and source
                    else default_source)
         )  # fmt: skip
+    log_skipped(uid_prefix, bad, n_rows, skipped)
+    return out
+
+
+def log_skipped(what: str, bad: Counter, n_rows: int, skipped: Counter | None) -> None:
+    """One warning summarising the rows skipped by reason; the counts are added to `skipped`."""
     if bad:
         log.warning(
-            "%s data: skipped %d of %d rows as malformed (%s)", uid_prefix, sum(bad.values()), n_rows,
+            "%s data: skipped %d of %d rows as malformed (%s)", what, sum(bad.values()), n_rows,
             ", ".join(f"{k}: {v}" for k, v in sorted(bad.items())),
         )  # fmt: skip
         if skipped is not None:
             skipped.update(bad)
-    return out
 
 
 def skipped_row_metrics(skipped: Mapping[str, int]) -> dict[str, float]:
@@ -180,32 +196,47 @@ def skipped_row_metrics(skipped: Mapping[str, int]) -> dict[str, float]:
             **{f"data/skipped_rows/{k}": float(v) for k, v in sorted(skipped.items())}}  # fmt: skip
 
 
-def read_parquet_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a verl-style parquet; a clear error names a missing column."""
+def read_parquet_rows(
+    path: str | Path, required: Sequence[str] = REQUIRED_COLUMNS, schema: str = VERL_SCHEMA
+) -> list[dict[str, Any]]:
+    """Rows of a parquet with the `required` columns (default: verl-style) plus data_source if it has
+    one; a clear error names a missing column."""
     import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"parquet file {str(path)!r} not found: set data.train_path / data.eval_path to a verl-style "
-            "parquet (copies of DAPO-Math-17K and AIME-2024 live in <repo>/../shared/data)"
+            f"parquet file {str(path)!r} not found: set data.train_path / data.eval_path to a parquet with "
+            f"{schema} (copies of DAPO-Math-17K and AIME-2024 live in <repo>/../shared/data; geo_vision's "
+            "is written by python -m rl.geo_data --out data/geo_vision)"
         )
     names = pq.read_schema(path).names
-    _check_columns(names, f"parquet {str(path)!r}")
-    columns = [c for c in ("data_source", *REQUIRED_COLUMNS) if c in names]
+    _check_columns(names, f"parquet {str(path)!r}", required, schema)
+    columns = [c for c in ("data_source", *required) if c in names]
     return pq.read_table(path, columns=columns).to_pylist()
 
 
-def _load_rows(hub: str | None, path: str | Path | None, what: str) -> Iterable[Mapping[str, Any]]:
-    """Rows from the hub dataset `hub` (split 'train'), else from the local parquet `path`."""
+def _load_rows(
+    hub: str | None,
+    path: str | Path | None,
+    what: str,
+    *,
+    split: str = "train",
+    required: Sequence[str] = REQUIRED_COLUMNS,
+    schema: str = VERL_SCHEMA,
+) -> Iterable[Mapping[str, Any]]:
+    """Rows from split `split` of the hub dataset `hub`, else from the local parquet `path`."""
     if hub is not None:
         try:
             import datasets
 
-            ds = datasets.load_dataset(hub, split="train")
-            _check_columns(ds.column_names, f"hub dataset {hub!r}")
+            ds = datasets.load_dataset(hub, split=split)
+            _check_columns(ds.column_names, f"hub dataset {hub!r}", required, schema)
             # Only the columns we read: the hub DAPO split has ~1.8M rows (its block repeated).
-            return ds.select_columns([c for c in ("data_source", *REQUIRED_COLUMNS) if c in ds.column_names])
+            ds = ds.select_columns([c for c in ("data_source", *required) if c in ds.column_names])
+            if "images" in required:  # encoded bytes as in the parquet, not decoded PIL images
+                ds = ds.cast_column("images", datasets.Sequence(datasets.Image(decode=False)))
+            return ds
         except (ConnectionError, OSError) as e:  # datasets' offline / unreachable errors
             if path is None:
                 raise FileNotFoundError(
@@ -218,7 +249,7 @@ def _load_rows(hub: str | None, path: str | Path | None, what: str) -> Iterable[
             )  # fmt: skip
     if path is None:
         raise ValueError(f"{what}: give a hub dataset name or a local parquet path")
-    return read_parquet_rows(path)
+    return read_parquet_rows(path, required, schema)
 
 
 def load_dapo_math(
@@ -238,6 +269,31 @@ def load_aime_2024(
     """AIME-2024 (verl-style rows), re-templated like the training prompts: the Qwen \\boxed{}
     system prompt is dropped and the problem wrapped in DAPO's "Answer:" template."""
     return records_from_rows(_load_rows(hub, path, "AIME-2024"), "aime_2024", "aime2024", skipped=skipped)
+
+
+def load_geo_vision(
+    path: str | Path | None = None,
+    hub: str | None = GEO3K_HUB,
+    split: str = "train",
+    skipped: Counter | None = None,
+    *,
+    max_images: int = 1,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+) -> list[Prompt]:
+    """A Geometry3K-format visual math dataset: split `split` of the hub dataset, else the local parquet
+    (the shipped synthetic copy: data/geo_vision/{train,test}.parquet); image+text prompts (see
+    rl/geo_data.py for the message format). Rows with more than `max_images` images, or an image that
+    does not decode or exceeds `max_image_pixels`, are skipped and counted into `skipped`."""
+    from rl import geo_data
+
+    rows = _load_rows(
+        hub, path, f"geo_vision ({split})", split=split, required=geo_data.GEO3K_COLUMNS,
+        schema=geo_data.GEO3K_SCHEMA,
+    )  # fmt: skip
+    return geo_data.records_from_geo3k_rows(
+        rows, hub or "geo_vision", f"geo-{split}", skipped=skipped, max_images=max_images,
+        max_image_pixels=max_image_pixels,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- synthetic arithmetic
@@ -386,8 +442,17 @@ def build_datasets(
         train = load_dapo_math(data.train_path, hub=data.hub_train, skipped=skipped)
         has_eval = data.eval_path is not None or data.hub_eval is not None
         evals = load_aime_2024(data.eval_path, hub=data.hub_eval, skipped=skipped) if has_eval else []
+    elif data.kind == "geo_vision":
+        limits = {"max_images": data.max_images, "max_image_pixels": data.max_image_pixels}
+        train = load_geo_vision(data.train_path, data.hub_train, data.hub_train_split, skipped, **limits)
+        has_eval = data.eval_path is not None or data.hub_eval is not None
+        evals = (
+            load_geo_vision(data.eval_path, data.hub_eval, data.hub_eval_split, skipped, **limits)
+            if has_eval
+            else []
+        )
     else:
-        raise ValueError(f"unknown data.kind {data.kind!r}; valid: arithmetic, dapo_math")
+        raise ValueError(f"unknown data.kind {data.kind!r}; valid: arithmetic, dapo_math, geo_vision")
     if tokenizer is not None:
         train = filter_prompt_length(train, tokenizer, data.max_prompt_tokens, skipped)
         evals = filter_prompt_length(evals, tokenizer, data.max_prompt_tokens, skipped)

@@ -352,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             export_peft(src, out, args.base)
             cfg, _, meta = read_adapter(out)
             print(
-                f"exported adapter {src} -> {out} (r={cfg.r}, targets={cfg.target_modules}, step={meta.step})"
+                f"exported adapter {src} -> {out} (r={cfg.r}, targets={cfg.target_modules}"
+                + (", routed experts" if cfg.routed_experts else "")
+                + (f", projector {cfg.projector_modules}" if cfg.projector_modules else "")
+                + f", step={meta.step})"
             )
             return 0
         report = export_merged(

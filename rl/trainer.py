@@ -226,11 +226,18 @@ class Trainer:
                 future = call(actor)
         raise AssertionError("unreachable")
 
+    def _from_learners(self, method: str):
+        """Learner 0's answer to `method`, asked of every learner: under DEP with expert adapters it is
+        collective (the learners gather their expert shards), and every learner must join it."""
+        import ray
+
+        return ray.get([getattr(lrn, method).remote() for lrn in self.learners])[0]
+
     def _resync(self, actor) -> None:
         """Send the learner's current adapter to a restarted engine (it starts at version 0)."""
         import ray
 
-        update = ray.get(self.learner.adapter_update.remote())
+        update = self._from_learners("adapter_update")
         self._until_alive(lambda: ray.get(actor.set_adapter.remote(update)))
 
     def _until_alive(self, call) -> None:
@@ -298,7 +305,7 @@ class Trainer:
         import ray
 
         t0 = time.perf_counter()
-        update = ray.get(self.learner.adapter_update.remote())
+        update = self._from_learners("adapter_update")
         engine_side = ray.get([w.set_adapter.remote(update) for w in self.rollout])
         out = {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
                "sync/version": float(update.version)}  # fmt: skip
@@ -408,7 +415,8 @@ class Trainer:
             metrics.update(self._sync())
         if cotrain is not None:
             spec, state, version = ray.get(cotrain)
-            ray.get([w.set_drafter.remote(state, version) for w in self.rollout[1:]])
+            if state is not None:  # None: not a co-training round (rollout.dspark.cotrain_every)
+                ray.get([w.set_drafter.remote(state, version) for w in self.rollout[1:]])
             metrics.update(spec)
         metrics.update(self.fault_counts)
         n_tokens = sum(lengths)
@@ -505,11 +513,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def save(self) -> Path:
-        import ray
 
         from rl.checkpointing import capture_rng_state, save_checkpoint
 
-        state = ray.get(self.learner.state_dict.remote())
+        state = self._from_learners("state_dict")
         maybe_fail(self.cfg.trainer.fault_injection, str(self.run_dir), "driver.save", self.step)
         return save_checkpoint(self.run_dir, self.step, keep_last=self.cfg.trainer.keep_checkpoints, state={
             "learner": state, "step": self.step, "data": self.train_stream.state_dict(),
@@ -546,17 +553,15 @@ class Trainer:
     def export(self, metrics: dict[str, float] | None = None) -> Path:
         """The final adapter in PEFT format (servable by vLLM / `rollout.serve`), with the base's
         fingerprint and config so a mismatched base is refused at load."""
-        import ray
 
         from model.adapter import AdapterMetadata, save_adapter
         from model.config import ModelConfig
-        from model.layers.lora import LoRAConfig
+        from rl.workers import lora_config
 
-        update = ray.get(self.learner.adapter_update.remote())
-        lc = self.cfg.lora
+        update = self._from_learners("adapter_update")
         if self.cfg.model.family == "hf":
             return self._export_hf(update.tensors, metrics)
-        lora = LoRAConfig(r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=list(lc.target_modules))
+        lora = lora_config(self.cfg)
         meta = AdapterMetadata(
             base_fingerprint=self.base_fingerprint,
             base_config=ModelConfig.from_pretrained(self.base_dir).to_hf_dict(),

@@ -44,6 +44,9 @@ class Sample:
     acc: float = 0.0
     advantage: float = 0.0
     extra: dict = field(default_factory=dict)
+    # The prompt's images (model.vision.ProcessedImage), in placeholder order: the learner merges
+    # the same features the engine saw. The samples of one prompt share the same objects.
+    images: tuple = ()
 
 
 def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
@@ -61,13 +64,21 @@ def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
         model.config.kv_cache_dtype = cfg.rollout.kv_cache_dtype
     if cfg.rollout.index_cache_dtype is not None:
         model.config.index_cache_dtype = cfg.rollout.index_cache_dtype
-    lora = LoRAConfig(
-        r=cfg.lora.r,
-        alpha=cfg.lora.alpha,
-        dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
+    return apply_lora(model, lora_config(cfg), seed=cfg.trainer.seed)
+
+
+def lora_config(cfg: TrainConfig) -> LoRAConfig:
+    """The run's `lora` section as the model's LoRAConfig (one place: build and export agree)."""
+    lc = cfg.lora
+    return LoRAConfig(
+        r=lc.r,
+        alpha=lc.alpha,
+        dropout=lc.dropout,
+        target_modules=list(lc.target_modules),
+        routed_experts=lc.routed_experts,
+        dtype=lc.dtype,
+        projector_modules=list(lc.projector_modules),
     )
-    return apply_lora(model, lora, seed=cfg.trainer.seed)
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,15 +118,19 @@ class RolloutWorker:
         if ds.drafter is not None:
             from rollout.dspark import SpecConfig, load_drafter
 
-            self.drafter = load_drafter(
-                ds.drafter, target=self.model, device=self.model.lm_head.weight.device
-            )
+            # A resumed co-training run continues from its own latest drafter (cotrain_drafter saves
+            # every version to output_dir/drafter), not from the shipped one it started with.
+            own = Path(cfg.output_dir) / "drafter"
+            src = own if ds.cotrain and cfg.resume and (own / "dspark").is_dir() else ds.drafter
+            self.drafter = load_drafter(src, target=self.model, device=self.model.lm_head.weight.device)
             spec = SpecConfig(mode=ds.mode)
             if ds.cotrain and index == 0:  # worker 0 trains; the driver publishes to the others
-                from rollout.dspark.cotrain import CoTrainer
+                from rollout.dspark.cotrain import CoTrainConfig, CoTrainer
 
-                self.cotrainer = CoTrainer(self.model, self.drafter, lr=ds.cotrain_lr, steps=ds.cotrain_steps,
-                                           seed=cfg.trainer.seed)  # fmt: skip
+                self.cotrainer = CoTrainer(self.model, self.drafter, CoTrainConfig(
+                    steps=ds.cotrain_steps, lr=ds.cotrain_lr, every=ds.cotrain_every,
+                    replay_steps=ds.cotrain_replay_steps, focus=ds.cotrain_focus, seed=cfg.trainer.seed,
+                ))  # fmt: skip
         self.engine = NativeEngine(
             self.model,
             max_pages=cfg.rollout.max_pages,
@@ -197,14 +212,17 @@ class RolloutWorker:
             max_tokens=r.max_tokens,
             stop_token_ids=tuple(self.tokenizer.stop_token_ids),
         )
-        requests, ids_by_req = [], []
+        requests, images_of = [], {}
         positions = list(range(len(prompts))) if positions is None else positions
+        vision = self._vision_config()
         for i, p in zip(positions, prompts, strict=True):
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(p.messages))
-            ids_by_req.append(ids)
-            requests.append(
-                Request(tuple(ids), params, n=n, seed=(seed * 1_000_003 + i) % 2**31, request_id=p.uid)
-            )
+            if _has_image_parts(p.messages):
+                ids, images = self._image_prompt(p, vision)
+            else:  # text: the prompt ids are exactly what they were before images existed
+                ids, images = self.tokenizer.encode(self.tokenizer.apply_chat_template(p.messages)), ()
+            images_of[p.uid] = images
+            requests.append(Request(tuple(ids), params, n=n, seed=(seed * 1_000_003 + i) % 2**31,
+                                    request_id=p.uid, images=images))  # fmt: skip
         completions = self.engine.generate(requests)
         by_uid = {p.uid: p for p in prompts}
         samples = []
@@ -220,9 +238,35 @@ class RolloutWorker:
                     adapter_version=c.adapter_version,
                     text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
                     ground_truth=p.ground_truth,
+                    images=images_of[p.uid],
                 )
             )
         return samples
+
+    def _vision_config(self):
+        """The policy's VisionConfig (None: text-only model or the vLLM backend)."""
+        vision = getattr(getattr(self, "model", None), "vision", None)
+        return None if vision is None else vision.config
+
+    def _image_prompt(self, p, vision) -> tuple[list[int], tuple]:
+        """Prompt ids with image placeholders and the processed images of one image prompt."""
+        from model.vision import ImageInputError, chat_to_ids_and_images
+
+        if self.cfg.rollout.backend != "native":
+            raise ValueError(
+                f"prompt {p.uid!r} has images but rollout.backend={self.cfg.rollout.backend!r} does not "
+                "take image inputs; use rollout.backend=native"
+            )
+        if vision is None:
+            raise ValueError(
+                f"prompt {p.uid!r} has image content parts but the model has no vision tower; use a "
+                "minimax_m3_vl checkpoint or model.preset=tiny-vl"
+            )
+        try:
+            chat = chat_to_ids_and_images(p.messages, self.tokenizer, vision)
+        except ImageInputError as e:
+            raise ImageInputError(f"prompt {p.uid!r}: {e}") from e
+        return chat.input_ids, tuple(chat.images)
 
     # ------------------------------------------------------------------ DSpark
     def spec_stats(self) -> dict[str, float]:
@@ -233,12 +277,19 @@ class RolloutWorker:
         return {"steps": float(steps), "accepted": float(acc)}
 
     def cotrain_drafter(self, samples: list[Sample]) -> tuple[dict[str, float], dict | None, int]:
-        """Distil the drafter on this step's rollouts (worker 0 only); returns (metrics, the
-        drafter's new weights for the other engines, drafter version)."""
+        """Hand this step's rollouts to the drafter's co-trainer (worker 0 only); returns (metrics,
+        the drafter's new weights for the other engines or None when this step trained nothing,
+        drafter version). A new version is also saved to `output_dir/drafter` (served beside the
+        exported adapter)."""
+        from rollout.dspark import save_drafter
         from rollout.dspark.cotrain import drafter_state
 
         seqs = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
+        before = self.cotrainer.version
         metrics = self.cotrainer.update(seqs)
+        if self.cotrainer.version == before:
+            return metrics, None, before
+        save_drafter(self.drafter, Path(self.cfg.output_dir) / "drafter")
         return metrics, drafter_state(self.drafter), self.cotrainer.version
 
     def set_drafter(self, state: dict, version: int) -> None:
@@ -299,7 +350,18 @@ class Learner:
     of each mini-batch; the token-mean loss is normalised by the mini-batch's global token count and
     LoRA gradients are summed over the group before clipping, so every learner takes the identical
     optimizer step (same adapter everywhere, equal to one learner on the union batch up to float
-    summation order)."""
+    summation order).
+
+    DEP (`trainer.learner_parallel=dep`, world > 1): `init_group` also shards the routed experts over
+    the learners (`apply_expert_parallel`, after `apply_lora`; attention and everything else stay
+    replicated), and with `lora.routed_experts` their adapters too: each learner holds, trains and
+    keeps optimizer state for its experts' factors only. Those gradients are not all-reduced (the
+    MoE backward all-to-all already brought every learner's tokens' gradient to the owner; with the
+    global-token normalisation above they equal the union-batch gradient); clipping uses the global
+    norm. Every forward is collective, so learners run equally many micro-batches (padded with empty
+    ones). `adapter_update`, `state_dict` and `load_state_dict` are then collective too (call them on
+    every learner): they gather / slice the sharded tensors, so what leaves the group is the
+    single-process adapter and optimizer state (a DEP checkpoint resumes on any learner count)."""
 
     def __init__(self, cfg: TrainConfig, base_dir: str, rank: int = 0, world: int = 1):
         self.rank, self.world = rank, world
@@ -308,8 +370,27 @@ class Learner:
         self.cfg = cfg
         self.model = build_policy(cfg, base_dir)
         self.model.gradient_checkpointing = cfg.trainer.gradient_checkpointing
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        o = cfg.optim
+        self.is_dep = cfg.trainer.learner_parallel == "dep" and world > 1
+        self.ep_group = None  # DEP: the learners' expert-parallel group (set by init_group)
+        self.shards: dict = {}  # DEP: adapter parameter name -> ExpertShard, for sharded expert factors
+        self._fingerprint: str | None = None  # DEP: the unsharded base's, taken before sharding
+        self._build_optimizer()
+        self.version = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters live (trainer.device): batches are moved there."""
+        return next(self.model.parameters()).device
+
+    def _build_optimizer(self) -> None:
+        """AdamW + warm-up schedule over the trainable (LoRA) parameters, in model order (which the
+        single-process optimizer state layout, and so checkpoints, index by; DEP keeps names and
+        order, only the sharded tensors' expert rows differ)."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # DEP: optimizer index -> ExpertShard of the sharded expert-adapter parameters.
+        self._sharded_index = {i: self.shards[n] for i, (n, _) in enumerate(named) if n in self.shards}
+        o = self.cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
         )
@@ -317,10 +398,9 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
-        self.version = 0
 
     def fingerprint(self) -> str:
-        return policy_fingerprint(self.model)
+        return self._fingerprint or policy_fingerprint(self.model)
 
     # ------------------------------------------------------------------ data-parallel group
     def rendezvous_address(self) -> tuple[str, int]:
@@ -334,13 +414,42 @@ class Learner:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_group(self, addr: str, port: int) -> None:
+    def init_group(self, addr: str | None = None, port: int | None = None) -> None:
+        """Join the learners' torch.distributed world by TCP rendezvous at addr:port (a process that
+        already belongs to a world of `self.world` ranks, e.g. under `launch_local`, keeps it), then,
+        for DEP, shard the experts. Collective: every learner calls it, before any step."""
         import torch.distributed as dist
 
-        backend = "nccl" if self.cfg.trainer.device == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
-        )
+        if not dist.is_initialized():
+            # GPU learners: NCCL for device tensors, gloo for the small host tensors (token counts,
+            # metrics) that the step all-reduces.
+            backend = "cpu:gloo,cuda:nccl" if self.cfg.trainer.device == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
+            )
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world):
+            raise RuntimeError(
+                f"learner {self.rank}/{self.world} joined a world as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}: the rank and world given to Learner must match the group"
+            )
+        if self.is_dep:
+            self._shard_experts()
+
+    def _shard_experts(self) -> None:
+        """DEP: experts (and expert adapters) of this learner's range only; a fresh optimizer over
+        the sharded parameters (before any step, so nothing is lost)."""
+        from model.parallel.dep_learner import sharded_adapter_params
+        from model.parallel.expert_parallel import apply_expert_parallel
+        from model.parallel.groups import ParallelGroups
+
+        if self.version != 0:
+            raise RuntimeError("DEP sharding must happen before the first step (in init_group)")
+        self._fingerprint = policy_fingerprint(self.model)  # what the engines' unsharded base hashes to
+        groups = ParallelGroups.build(ep_size=self.world, device=self.cfg.trainer.device)
+        self.ep_group = groups.ep_group
+        apply_expert_parallel(self.model, self.ep_group, shard_lora=True)
+        self.shards = sharded_adapter_params(self.model)
+        self._build_optimizer()
 
     def _all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -350,26 +459,90 @@ class Learner:
         return t
 
     def _all_reduce_grads(self) -> None:
+        """Sum the replicated parameters' gradients over the learners. DEP: sharded expert-adapter
+        gradients stay where they are (already the union-batch gradient); a missing one becomes
+        zeros, as those experts' rows of a single learner's [E, ...] gradient are, so AdamW steps
+        (moments decay) exactly as it would there."""
         if self.world == 1:
             return
+        for i in self._sharded_index:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        replicated = [p for i, p in enumerate(self.params) if i not in self._sharded_index]
         flat = torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in self.params
+            (p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in replicated
         ])  # fmt: skip
         self._all_reduce_(flat)
         offset = 0
-        for p in self.params:
+        for p in replicated:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
 
     def adapter_update(self) -> AdapterUpdate:
-        return make_update(adapter_tensors(self.model), self.version)
+        return make_update(self._adapter_tensors(), self.version)
 
-    def _logprobs(self, batch: dict[str, torch.Tensor], with_entropy: bool):
+    # ------------------------------------------------------------------ DEP helpers
+    def _adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The full adapter: with sharded expert factors, gathered from every learner (collective)."""
+        tensors = adapter_tensors(self.model)
+        if not self.shards:
+            return tensors
+        from model.parallel.dep_learner import gather_expert_shards
+
+        return gather_expert_shards(tensors, self.shards)
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer state in the single-process layout (collective with sharded factors)."""
+        state = self.optimizer.state_dict()
+        if not self._sharded_index:
+            return state
+        from model.parallel.dep_learner import gather_optimizer_state
+
+        return gather_optimizer_state(state, self._sharded_index)
+
+    def _local_state(self, adapter: dict, optimizer: dict) -> tuple[dict, dict]:
+        """Single-process adapter and optimizer state -> this learner's shards of them."""
+        if not self._sharded_index:
+            return adapter, optimizer
+        from model.parallel.dep_learner import slice_expert_shards, slice_optimizer_state
+
+        local_optimizer = slice_optimizer_state(optimizer, self._sharded_index)
+        return slice_expert_shards(adapter, self.shards), local_optimizer
+
+    def _clip_grads(self, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` over the group's parameters: with sharded expert factors the global norm
+        (replicated gradients once, shards summed over learners), the same on every learner."""
+        if not self._sharded_index:
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        from model.parallel.dep_learner import clip_grad_norm_
+
+        sharded = [self.params[i] for i in sorted(self._sharded_index)]
+        replicated = [p for i, p in enumerate(self.params) if i not in self._sharded_index]
+        return clip_grad_norm_(replicated, sharded, max_norm, self.ep_group)
+
+    def _align_micro_batches(self, batches: list[list[dict]]) -> list[list[dict]]:
+        """DEP: every forward and backward is collective (the MoE all-to-alls), so every learner runs
+        as many micro-batches per mini-batch as the busiest one; the others are padded with empty
+        micro-batches (mask 0: no loss, gradient or metric weight). Otherwise `batches` as given."""
+        if not self.is_dep:
+            return batches
+        import torch.distributed as dist
+
+        counts = torch.tensor([len(m) for m in batches], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        # SYNC: the padded counts decide this host's loop (once per step, len(batches) ints).
+        need = counts.tolist()
+        return [m + [_empty_batch() for _ in range(n - len(m))] for m, n in zip(batches, need, strict=True)]
+
+    def _logprobs(self, batch: dict, with_entropy: bool):
         c = self.cfg
+        # Images (if any) are merged at their placeholders: the features the engine used.
+        images = {"images": batch["images"]} if batch.get("images") else {}
         return self.model.token_logprobs(
             batch["input_ids"], batch["targets"], seq_ids_BS=batch["seq_ids"], kv_sim=c.trainer.kv_sim,
-            with_entropy=with_entropy, temperature=c.rollout.temperature,
+            with_entropy=with_entropy, temperature=c.rollout.temperature, **images,
         )  # fmt: skip
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -391,7 +564,15 @@ class Learner:
         if self.world > 1:  # this learner's shard of every mini-batch (possibly empty)
             minis = [m[self.rank :: self.world] for m in minis]
         mb = max(1, cfg.trainer.micro_batch_size)
-        batches = [[_collate(m[j : j + mb]) for j in range(0, len(m), mb)] for m in minis]
+        ignore = tuple(getattr(self.model, "vision_token_ids", ()))
+        batches = [[_collate(m[j : j + mb], ignore) for j in range(0, len(m), mb)] for m in minis]
+        batches = self._align_micro_batches(batches)
+        # Collated on the CPU; the model may live on a GPU (trainer.device). Images move in the tower.
+        dev = self.device
+        batches = [
+            [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in mini]
+            for mini in batches
+        ]
         on_policy = a.ppo_epochs == 1 and len(minis) == 1
         if not on_policy:
             with torch.no_grad():
@@ -421,7 +602,7 @@ class Learner:
                     for k, v in metrics.items():  # SYNC: metrics once per micro-batch
                         sums[k] = sums.get(k, 0.0) + float(v) * weight / n_updates
                 self._all_reduce_grads()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+                grad_norm = self._clip_grads(cfg.optim.grad_clip)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
                 else:  # NaN/inf loss or gradient: this update is skipped, the adapter stays finite
@@ -449,16 +630,18 @@ class Learner:
 
     # checkpoint state (the adapter and optimizer: the base never changes)
     def state_dict(self) -> dict:
+        """On the CPU: the driver that checkpoints it may have no GPU (and must not hold GPU memory)."""
         return {
-            "adapter": {k: v.clone() for k, v in adapter_tensors(self.model).items()},
-            "optimizer": self.optimizer.state_dict(),
+            "adapter": {k: v.detach().to("cpu", copy=True) for k, v in self._adapter_tensors().items()},
+            "optimizer": _to_cpu(self._optimizer_state()),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        load_adapter_tensors(self.model, state["adapter"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        adapter, optimizer = self._local_state(state["adapter"], state["optimizer"])
+        load_adapter_tensors(self.model, adapter)
+        self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
 
@@ -469,9 +652,38 @@ class Learner:
         return metrics
 
 
-def _collate(samples: list[Sample]) -> dict[str, torch.Tensor]:
+def _empty_batch() -> dict[str, torch.Tensor]:
+    """One token of sequence 0 with mask 0: a micro-batch that only takes part in collectives."""
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    zero = torch.zeros(1, 1)
+    return {"input_ids": ids, "targets": ids.clone(), "seq_ids": ids.clone(), "mask": zero,
+            "adv": zero.clone(), "rollout_logp": zero.clone()}  # fmt: skip
+
+
+def _has_image_parts(messages) -> bool:
+    return any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") == "image_url" for part in m["content"])
+        for m in messages
+    )
+
+
+def _to_cpu(obj):
+    """Tensors anywhere in nested dicts/lists moved to the CPU (optimizer state_dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _collate(samples: list[Sample], ignore_ids: tuple[int, ...] = ()) -> dict:
     """Right-padded [B, T] tensors: input = prompt + response[:-1], targets shifted by one,
-    mask = 1 on response targets; padding gets seq id -1 so attention ignores it."""
+    mask = 1 on response targets; padding gets seq id -1 so attention ignores it. `ignore_ids`
+    (image placeholders and brackets) are never targets, even in a response. "images" lists every
+    sample's images in row order: the reading order of the batch's placeholders."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     T = max(len(x) for x in seqs) - 1
     B = len(samples)
@@ -490,5 +702,8 @@ def _collate(samples: list[Sample]) -> dict[str, torch.Tensor]:
         mask[b, p - 1 : p - 1 + r] = 1.0
         adv[b, p - 1 : p - 1 + r] = s.advantage
         rollout_logp[b, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
+    if ignore_ids:
+        mask[torch.isin(targets, torch.tensor(ignore_ids, dtype=torch.long))] = 0.0
+    images = [im for s in samples for im in s.images]
     return {"input_ids": input_ids, "targets": targets, "seq_ids": seq_ids, "mask": mask, "adv": adv,
-            "rollout_logp": rollout_logp}  # fmt: skip
+            "rollout_logp": rollout_logp, "images": images}  # fmt: skip

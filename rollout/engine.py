@@ -19,6 +19,11 @@ Conventions (the trainer relies on them):
   ends generation after the token that completes it, and that token is kept too.
 - Adapter versions: `adapter_versions[i]` is the version loaded when token i was sampled;
   `adapter_version` is the first of them (the oldest policy the sample depends on).
+- Images. `Request.images` are the prompt's images (model/vision), in the order their placeholder
+  spans appear in `prompt_token_ids` (model.vision.chat_to_ids_and_images builds both); the
+  engine checks that the placeholder count equals their token count. Image ids (placeholders,
+  vision brackets) are never sampled: that ban is a truncation like top-k, so `logprobs` stay
+  over the full vocabulary, which is what the trainer recomputes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
+
+from model.vision.preprocess import ProcessedImage
 
 FinishReason = Literal["stop", "length"]
 
@@ -83,6 +90,7 @@ class Request:
     n: int = 1
     seed: int | None = None
     request_id: str | None = None
+    images: tuple[ProcessedImage, ...] = ()
 
     def __post_init__(self):
         ids = self.prompt_token_ids
@@ -100,6 +108,12 @@ class Request:
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        object.__setattr__(self, "images", tuple(self.images))
+        if not all(isinstance(im, ProcessedImage) for im in self.images):
+            raise ValueError(
+                "images must be model.vision.ProcessedImage objects (preprocess_image / "
+                "chat_to_ids_and_images make them)"
+            )
 
 
 @dataclass(eq=False)  # holds a tensor: compare fields explicitly
@@ -147,6 +161,9 @@ class EngineStats:
     spec_drafted: int = 0
     spec_accepted: int = 0
     draft_time_s: float = 0.0
+    # Images: encoded by the vision tower vs served from the engine's feature cache.
+    images_encoded: int = 0
+    image_cache_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:

@@ -12,6 +12,14 @@ and never an echo of a huge input; numbers must be finite, `n` is capped (`max_n
 torch's generator, and a failure inside the engine thread is delivered to the requests it hit
 instead of silently killing the thread (which would hang every later request).
 
+Images: `/v1/chat/completions` accepts OpenAI content parts in user messages ({"type": "text"} and
+{"type": "image_url", "image_url": {"url": ...}} with a base64 data URL, a file:// URL or a local
+path) when the model has a vision tower; model.vision.chat_to_ids_and_images renders the chat with
+the tokenizer's own template, expands each image into its placeholder span and preprocesses it
+(off the event loop). A malformed, oversized or unsupported image, too many images, or images sent
+to a text-only model is a 400 whose message names the image and the problem. Text-only requests
+(string content, or text parts only) take the same path as before.
+
 Conventions: prompts may be text or token ids; `choices[i].token_ids` (an extension, as vLLM's
 `return_token_ids`) carries the sampled ids; `logprobs` follows rollout/engine.py (temperature-
 scaled, before truncation). Text stops at (and excludes) a matched stop string. Errors are
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -50,6 +59,9 @@ from rollout.native.engine import NativeEngine
 
 # --------------------------------------------------------------------------------- tokenizers
 class Tokenizer(Protocol):
+    """encode / decode / chat_prompt; image chats also need `apply_chat_template(messages) -> str`
+    (the text chat_prompt encodes) and `encode(text, add_special_tokens)` (model.vision.chat)."""
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -57,20 +69,24 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the special ids 0 (pad), 1 (bos), 2 (eos): 259 ids, for tests and
-    random tiny models. Chat template: `role: content` lines, then `assistant: `."""
+    random tiny models. Chat template: `role: content` lines, then `assistant: `; bos first."""
 
     OFFSET = 3
+    BOS = 1
 
-    def encode(self, text: str) -> list[int]:
-        return [b + self.OFFSET for b in text.encode()]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [b + self.OFFSET for b in text.encode()]
+        return [self.BOS, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode(errors="replace")
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return [1, *self.encode(text)]
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
 
 
 class HFTokenizer:
@@ -81,8 +97,14 @@ class HFTokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(path)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        bos = self.tok.bos_token
+        if add_special_tokens and bos and text.startswith(bos):
+            add_special_tokens = False  # the chat template wrote the bos already
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -285,6 +307,30 @@ def _describe_validation(errors: list[dict[str, Any]]) -> str:
     return "; ".join(f"{f}: {' or '.join(m)}" for f, m in by_field.items())
 
 
+def _chat_messages(raw: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    """Checked messages and whether any holds an image part. Content is a string or a list of
+    text / image_url parts; a list of text parts only is joined into a string (the text path)."""
+    messages, has_images = [], False
+    shape = "{'type': 'text', 'text': str} or {'type': 'image_url', 'image_url': {'url': str}}"
+    for i, m in enumerate(raw):
+        content = m.get("content")
+        if not isinstance(m.get("role"), str) or not isinstance(content, str | list):
+            raise OpenAIError(
+                400, "every message needs string 'role' and 'content' (a string or a list of content parts)"
+            )
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+            bad_text = any(k == "text" and not isinstance(p.get("text"), str) for k, p in zip(kinds, content))
+            if bad_text or any(k not in ("text", "image_url") for k in kinds):
+                raise OpenAIError(400, f"messages[{i}].content: every part must be {shape}")
+            if "image_url" in kinds:
+                has_images = True
+            else:
+                m = {**m, "content": "".join(p["text"] for p in content)}
+        messages.append(m)
+    return messages, has_images
+
+
 # --------------------------------------------------------------------------------- app
 def build_app(
     engine: NativeEngine,
@@ -327,7 +373,7 @@ def build_app(
             data[1]["parent"] = model_name
         return {"object": "list", "data": data}
 
-    def to_request(body: _Body, prompt_ids: list[int], max_tokens: int | None) -> Request:
+    def to_request(body: _Body, prompt_ids: list[int], max_tokens: int | None, images: tuple = ()) -> Request:
         if body.model not in served:
             raise OpenAIError(404, f"model {body.model!r} not found; served: {served}", "not_found_error")
         if adapter_name and body.model != adapter_name:
@@ -349,7 +395,7 @@ def build_app(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             )  # fmt: skip
-            return Request(tuple(prompt_ids), params, n=body.n, seed=body.seed)
+            return Request(tuple(prompt_ids), params, n=body.n, seed=body.seed, images=images)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from e
 
@@ -362,7 +408,7 @@ def build_app(
             loop.call_soon_threadsafe(q.put_nowait, item)
 
         rid = f"srv-{uuid.uuid4().hex[:12]}"
-        request = Request(request.prompt_token_ids, request.params, request.n, request.seed, rid)
+        request = dataclasses.replace(request, request_id=rid)
         worker.submit(
             request,
             on_token=lambda i, t, lp: put(("token", i, t, lp)),
@@ -403,8 +449,10 @@ def build_app(
         except StopAsyncIteration:
             return None
 
-    async def generate(body: _Body, prompt_ids: list[int], max_tokens: int | None, chat: bool):
-        request = to_request(body, prompt_ids, max_tokens)
+    async def generate(
+        body: _Body, prompt_ids: list[int], max_tokens: int | None, chat: bool, images: tuple = ()
+    ):
+        request = to_request(body, prompt_ids, max_tokens, images)
         gen = run(request)
         first = await first_event(gen)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
@@ -486,16 +534,35 @@ def build_app(
             raise OpenAIError(400, f"logprobs must be >= 0 (or null), got {body.logprobs}")
         return await generate(body, ids, body.max_tokens, chat=False)
 
+    vision = getattr(getattr(engine, "model", None), "vision", None)
+    vision_config = vision.config if vision is not None else None
+
+    async def image_chat(messages: list[dict[str, Any]]) -> tuple[list[int], tuple]:
+        from model.vision import ImageInputError, chat_to_ids_and_images
+
+        if vision_config is None:
+            raise OpenAIError(400, "image content parts need a model with a vision tower; this model is "
+                                   "text-only: send string content")  # fmt: skip
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise OpenAIError(400, "this server's tokenizer cannot render image chats (no chat template)")
+        try:  # decoding and resizing images is CPU work: keep it off the event loop
+            chat = await asyncio.to_thread(chat_to_ids_and_images, messages, tokenizer, vision_config)
+        except ImageInputError as e:
+            raise OpenAIError(400, f"bad image input: {e}") from e
+        return chat.input_ids, tuple(chat.images)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
-        for m in body.messages:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise OpenAIError(400, "every message needs string 'role' and 'content'")
         if not body.messages:
             raise OpenAIError(400, "messages is empty")
-        ids = tokenizer.chat_prompt(body.messages)
+        messages, has_images = _chat_messages(body.messages)
+        images: tuple = ()
+        if has_images:
+            ids, images = await image_chat(messages)
+        else:
+            ids = tokenizer.chat_prompt(messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await generate(body, ids, max_tokens, chat=True)
+        return await generate(body, ids, max_tokens, chat=True, images=images)
 
     return app
 

@@ -56,6 +56,10 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+ProjectorTarget = Literal["multi_modal_projector", "patch_merge_mlp"]
+"""Vision projector modules an adapter may target (both linears of each; model/vision/lora.py). The
+vision tower itself is never adapted; text targets never reach it."""
+PROJECTOR_TARGETS: tuple[str, ...] = get_args(ProjectorTarget)
 AdapterDtype = Literal["float32", "bfloat16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,6 +77,7 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     routed_experts: bool = False
     dtype: AdapterDtype = "float32"
+    projector_modules: list[str] = field(default_factory=list)  # vision models only
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
@@ -95,8 +100,21 @@ class LoRAConfig:
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError(f"LoRAConfig.target_modules has duplicates: {self.target_modules}")
         self.target_modules = [t for t in TARGET_MODULES if t in self.target_modules]  # canonical order
-        if not self.target_modules and not self.routed_experts:
-            raise ValueError("LoRAConfig targets nothing: give target_modules or set routed_experts=True")
+        if isinstance(self.projector_modules, str):
+            raise ValueError(
+                f"LoRAConfig.projector_modules must be a list of names, got {self.projector_modules!r}"
+            )
+        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
+        if bad:
+            raise ValueError(
+                f"LoRAConfig.projector_modules has unknown names {bad}; valid: {list(PROJECTOR_TARGETS)}"
+            )
+        self.projector_modules = [m for m in PROJECTOR_TARGETS if m in self.projector_modules]
+        if not self.target_modules and not self.routed_experts and not self.projector_modules:
+            raise ValueError(
+                "LoRAConfig targets nothing: give target_modules or projector_modules, or set "
+                "routed_experts=True"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"LoRAConfig.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         self.alpha = float(self.alpha)
@@ -220,6 +238,10 @@ def _is_target(name: str, targets: set[str]) -> bool:
     leaf = name.rpartition(".")[2]
     if leaf not in targets:
         return False
+    # The vision tower's attention is also `self_attn.q_proj`...: text targets never reach it (the
+    # projector has its own entry point, model/vision/lora.py). Its linears are also VisionLinear.
+    if name.startswith("vision.") or ".vision." in name:
+        return False
     # MLP names only under the dense `mlp` or the MoE `shared_experts` (not e.g. a drafter's layers).
     if leaf in ("gate_proj", "up_proj", "down_proj"):
         return ".mlp." in name or ".shared_experts." in name
@@ -239,7 +261,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> nn.Module:
         (name, m) for name, m in model.named_modules() if type(m) is nn.Linear and _is_target(name, targets)
     ]
     banks = [m for m in model.modules() if isinstance(m, ExpertBank)] if cfg.routed_experts else []
-    if not hits and not banks:
+    if not hits and not banks and not cfg.projector_modules:
         raise ValueError(f"apply_lora: no module of the model matches target_modules={cfg.target_modules}")
     dtype = cfg.torch_dtype
     for name, lin in hits:
@@ -250,6 +272,13 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> nn.Module:
         bank.lora = ExpertLoRA(bank, cfg.r, cfg.alpha, cfg.dropout, dtype, gen)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+    if cfg.projector_modules:
+        from model.vision.lora import apply_projector_lora  # the vision package imports this module
+
+        # Its own generator (seed + 1): adding a projector adapter leaves the text A draws unchanged.
+        apply_projector_lora(
+            model, cfg.r, cfg.alpha, cfg.dropout, seed + 1, cfg.projector_modules, cfg.torch_dtype
+        )
     return model
 
 

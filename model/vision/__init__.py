@@ -3,8 +3,9 @@
 See each module's docstring; the names below are the public API.
 """
 
-from model.vision.chat import ChatInputs, chat_to_ids_and_images, placeholder_ids
+from model.vision.chat import ChatInputs, chat_to_ids_and_images, check_placeholders, placeholder_ids
 from model.vision.config import VISION_TOP_LEVEL_KEYS, VisionConfig
+from model.vision.lora import apply_projector_lora
 from model.vision.preprocess import ImageInputError, ProcessedImage, load_images, preprocess_image
 from model.vision.tower import VisionModel, merge_image_features
 from model.vision.weights import (
@@ -22,7 +23,9 @@ __all__ = [
     "VisionConfig",
     "VisionModel",
     "VisionWeightError",
+    "apply_projector_lora",
     "chat_to_ids_and_images",
+    "check_placeholders",
     "load_images",
     "load_vision_checkpoint",
     "load_vision_weights",

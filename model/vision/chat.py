@@ -130,3 +130,34 @@ def placeholder_ids(num_tokens: int, config: VisionConfig) -> list[int]:
     if config.vision_start_token_id is None:
         return body
     return [config.vision_start_token_id, *body, config.vision_end_token_id]
+
+
+def check_placeholders(
+    prompt_ids: Sequence[int], images: Sequence[ProcessedImage], config: VisionConfig
+) -> None:
+    """Raise ImageInputError unless `prompt_ids` hold exactly the placeholders `images` fill (one
+    image token per feature row, in image order) and every image is self-consistent. Host-side
+    and cheap: engines call it before any compute."""
+    check_image_count(len(images), config)
+    for i, im in enumerate(images):
+        t, h, w = im.grid_thw
+        rows = t * h * w
+        shape = tuple(im.pixel_values.shape)
+        if shape != (rows, config.patch_dim) or im.num_tokens * config.merge_unit != rows:
+            raise ImageInputError(
+                f"image {i}: pixel_values {shape}, grid {im.grid_thw} and num_tokens {im.num_tokens} "
+                f"disagree for this vision config (expected [{rows}, {config.patch_dim}] and "
+                f"{rows // config.merge_unit} tokens); preprocess it with this model's vision config"
+            )
+    if config.video_token_id in prompt_ids:
+        raise ImageInputError(
+            f"prompt holds video placeholder id {config.video_token_id}; video inputs are not supported"
+        )
+    have = sum(1 for t in prompt_ids if t == config.image_token_id)
+    want = sum(im.num_tokens for im in images)
+    if have != want:
+        raise ImageInputError(
+            f"prompt holds {have} image placeholder tokens (id {config.image_token_id}) but its "
+            f"{len(images)} image(s) need {want}; build prompt ids and images together with "
+            "chat_to_ids_and_images"
+        )

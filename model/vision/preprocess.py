@@ -30,7 +30,7 @@ import io
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -55,9 +55,10 @@ class ImageInputError(ValueError):
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image ready for the tower. `sha256` hashes the encoded bytes: a cache key for features."""
+    """One image ready for the tower. `sha256` hashes the encoded bytes: a cache key for features.
+    Equality and hashing go by (grid, tokens, size, sha256), never by comparing pixel tensors."""
 
-    pixel_values: torch.Tensor  # fp32 [P, C*T*p*p]
+    pixel_values: torch.Tensor = field(compare=False)  # fp32 [P, C*T*p*p]
     grid_thw: tuple[int, int, int]  # (frames/T, rows of patches, columns of patches)
     num_tokens: int  # placeholder tokens it fills: P / merge^2
     source_size: tuple[int, int]  # (width, height) as decoded

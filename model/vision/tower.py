@@ -19,8 +19,12 @@ three frequency sets are concatenated and rotated NeoX-style (halves) over the f
 dims of each head, in fp32. There is no post-encoder LayerNorm (the release ships none).
 
 Invariants: images never attend to each other, so an image's features do not depend on what else is
-in the batch (they can be cached per image); the patch embedding (a Conv3d with stride = kernel) is
-computed as the equivalent matmul on the flattened (channel, frame, y, x) rows.
+in the batch (they can be cached per image, and `encode_images` computes a repeated image once); the
+patch embedding (a Conv3d with stride = kernel) is computed as the equivalent matmul on the flattened
+(channel, frame, y, x) rows. Every linear is a `VisionLinear`, a distinct type: the text model's
+LoRA (model/layers/lora.py) adapts plain `nn.Linear`s by leaf name, and the tower's attention is
+also spelled `self_attn.q_proj`, so the frozen tower is never adapted by accident; the projector
+takes an adapter only through `apply_projector_lora` (model/vision/lora.py).
 
 Legend: P patches (rows of pixel_values), K patch values (C*T*p*p), D vision hidden, H heads,
 d head dim, E text hidden, N image tokens (P / merge^2), S/B text sequence and batch.
@@ -29,12 +33,16 @@ d head dim, E text hidden, N image tokens (P / merge^2), S/B text sequence and b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.vision.config import VisionConfig
+
+if TYPE_CHECKING:
+    from model.vision.preprocess import ProcessedImage
 
 Grid = tuple[int, int, int]
 
@@ -90,6 +98,10 @@ def apply_rope(x_PHd: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor) 
 
 
 # ------------------------------------------------------------------------------- modules
+class VisionLinear(nn.Linear):
+    """nn.Linear under its own type, so text-model LoRA targeting skips the tower (module docstring)."""
+
+
 class PatchEmbedding(nn.Module):
     """Conv3d(C -> D, kernel = stride = (T, p, p), no bias) on pre-cut patches: a matmul with the
     kernel flattened in (channel, frame, y, x) order, exactly the row layout of pixel_values."""
@@ -116,10 +128,10 @@ class VisionAttention(nn.Module):
         super().__init__()
         D = config.hidden_size
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q_proj = nn.Linear(D, D)
-        self.k_proj = nn.Linear(D, D)
-        self.v_proj = nn.Linear(D, D)
-        self.out_proj = nn.Linear(D, D)
+        self.q_proj = VisionLinear(D, D)
+        self.k_proj = VisionLinear(D, D)
+        self.v_proj = VisionLinear(D, D)
+        self.out_proj = VisionLinear(D, D)
 
     def forward(
         self, x_PD: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, seg_lens: list[int]
@@ -140,8 +152,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = VisionLinear(config.hidden_size, config.intermediate_size)
+        self.fc2 = VisionLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -187,8 +199,8 @@ class TwoLayerGelu(nn.Module):
 
     def __init__(self, d_in: int, d_mid: int, d_out: int):
         super().__init__()
-        self.linear_1 = nn.Linear(d_in, d_mid)
-        self.linear_2 = nn.Linear(d_mid, d_out)
+        self.linear_1 = VisionLinear(d_in, d_mid)
+        self.linear_2 = VisionLinear(d_mid, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.gelu(self.linear_1(x)))
@@ -210,6 +222,8 @@ class VisionModel(nn.Module):
         """Random weights for tests: N(0, std^2) matrices and biases, LayerNorms at (1, 0)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, p in self.named_parameters():
+            if "lora_" in name:
+                continue  # adapters keep their own init (B = 0: a fresh adapter adds nothing)
             if ".layer_norm" in name or ".pre_layrnorm" in name:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
@@ -260,6 +274,36 @@ class VisionModel(nn.Module):
 
     def tokens_per_grid(self, grids: Sequence[Grid]) -> list[int]:
         return [t * h * w // self.config.merge_unit for t, h, w in grids]
+
+    def encode_images(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
+        """One [num_tokens_i, E] feature tensor per image, in order. Images are deduplicated by
+        (sha256, grid) first, so a GRPO group's repeated image runs through the tower once; all
+        distinct images go through one `image_features` call. Gradients flow only when a vision
+        parameter requires grad (a projector adapter); the frozen tower runs without autograd."""
+        if not images:
+            return []
+        merge = self.config.merge_unit
+        for i, im in enumerate(images):
+            t, h, w = im.grid_thw
+            if im.num_tokens * merge != t * h * w:
+                raise ValueError(
+                    f"image {i}: num_tokens={im.num_tokens} does not match grid {im.grid_thw} "
+                    f"({t * h * w} patches / {merge} per token); build it with preprocess_image"
+                )
+        slot: dict[tuple, int] = {}
+        unique: list[ProcessedImage] = []
+        for im in images:
+            key = (im.sha256, tuple(im.grid_thw))
+            if key not in slot:
+                slot[key] = len(unique)
+                unique.append(im)
+        w = self.multi_modal_projector.linear_1.weight
+        pixels_PK = torch.cat([im.pixel_values for im in unique]).to(device=w.device)
+        needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        with torch.set_grad_enabled(needs_grad):
+            feats_NE = self.image_features(pixels_PK, [im.grid_thw for im in unique])
+        per_image = feats_NE.split([im.num_tokens for im in unique])
+        return [per_image[slot[(im.sha256, tuple(im.grid_thw))]] for im in images]
 
 
 # ------------------------------------------------------------------------------- text stream

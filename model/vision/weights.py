@@ -45,8 +45,8 @@ def is_vision_tensor(name: str) -> bool:
 
 
 def _quantized_linears(model: VisionModel) -> set[str]:
-    """Module names whose `.weight` may be stored quantized (every nn.Linear)."""
-    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    """Module names whose `.weight` may be stored quantized (every nn.Linear but LoRA factors)."""
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n}
 
 
 def _dequantize(module: str, parts: dict[str, torch.Tensor], scheme: str, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +89,8 @@ def load_vision_weights(
     """Copy checkpoint-named vision tensors into `model` (strict: every parameter, nothing else
     under the vision prefixes; tensors outside them are ignored, so a whole checkpoint can stream by)."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    params = dict(model.named_parameters())
+    # Projector adapters (model/vision/lora.py) are not base weights: model/adapter.py saves them.
+    params = {n: p for n, p in model.named_parameters() if "lora_" not in n}
     linears = _quantized_linears(model)
     grouped: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     loaded: set[str] = set()
@@ -187,6 +188,8 @@ def vision_state_for_save(model: VisionModel) -> dict[str, torch.Tensor]:
     linears = _quantized_linears(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue  # adapters are never base weights
         t = p.detach().cpu().contiguous()
         module, _, leaf = name.rpartition(".")
         if module not in linears or leaf != "weight" or scheme == "bf16":

@@ -29,6 +29,17 @@ all per-token entries, so the kept prefix is exactly what a run without the reje
 wrote (tested, fp32 and NVFP4 caches). Log-probs are the target's; greedy output equals the
 plain engine's token for token.
 
+Images (models with a vision tower): a request's `images` are checked against its placeholder
+tokens at validation (model.vision.check_placeholders); their features are computed once per
+request, through a row-bounded LRU keyed by image content shared across requests
+(rollout/native/images.py), and each prefill chunk hands `forward_cached` the rows of its own
+placeholders, so a chunk may end inside an image; a request's rows are dropped once all its samples
+have cached their placeholders. Prompt-page sharing happens only between the
+samples of one request (same ids, same images); no page is ever shared across requests, so equal
+ids with different images never share KV. Image ids are banned from sampling (a truncation: the
+log-probs stay full-vocabulary, rollout/engine.py). DSpark speculation does not take images: a
+vision model with a drafter is refused.
+
 Host syncs: one per step (`# SYNC` below), to hand sampled ids to the scheduler (with
 speculation also one for the accepted lengths, and in scheduled mode one for the lengths to verify).
 
@@ -45,8 +56,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.modeling import MiniMaxM3ForCausalLM
+from model.vision.chat import check_placeholders
+from model.vision.lora import has_projector_lora
 from rollout.engine import Completion, EngineStats, Request
 from rollout.native import sampler
+from rollout.native.images import ImageFeatureCache, RequestImages
 from rollout.native.scheduler import Group, ScheduledChunk, Scheduler, Sequence, TokenCallback
 
 if TYPE_CHECKING:
@@ -62,6 +76,7 @@ class NativeEngine:
     that draws seeds for requests that bring none. `drafter` (a bound or unbound
     rollout.dspark.Drafter) turns on DSpark speculation with `spec` settings (default: fixed,
     the drafter's block size); scheduled mode profiles the step cost once, here.
+    `image_cache_rows` bounds the image feature cache (rows = image tokens) of a vision model.
     """
 
     def __init__(
@@ -76,6 +91,7 @@ class NativeEngine:
         seed: int = 0,
         drafter: Drafter | None = None,
         spec: SpecConfig | None = None,
+        image_cache_rows: int = 8192,
     ):
         self.model = model
         self.config = model.config
@@ -88,7 +104,18 @@ class NativeEngine:
         self._next_seq_id = 0
         self._next_request = 0
         self._active: dict[str, int] = {}  # request id -> samples not finished yet
+        self._groups: dict[str, Group] = {}  # request id -> its group, while in flight
         self._stats = EngineStats(pages_total=max_pages)
+        vision = getattr(model, "vision", None)
+        self.vision_config = vision.config if vision is not None else None
+        self.images = ImageFeatureCache(vision, image_cache_rows) if vision is not None else None
+        banned = getattr(model, "vision_token_ids", ())
+        self._banned_ids = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
+        if vision is not None and drafter is not None:
+            raise ValueError(
+                "DSpark speculation does not support vision models yet (the drafter's target pass takes "
+                "no image features); build the engine without a drafter"
+            )
         self.proposer = None
         if drafter is not None:
             from rollout.dspark.proposer import Proposer
@@ -115,6 +142,11 @@ class NativeEngine:
         if not p.ignore_eos and cfg.eos_token_id is not None:
             stop_ids.add(cfg.eos_token_id)
         group = Group(request, request_id, time.perf_counter(), frozenset(stop_ids), on_token)
+        if request.images:
+            group.images = RequestImages.of(
+                request.prompt_token_ids, request.images, self.vision_config.image_token_id
+            )
+        self._groups[request_id] = group
         base_seed = request.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (), generator=self._seed_gen))
@@ -144,6 +176,13 @@ class NativeEngine:
             raise ValueError(f"stop_token_ids {p.stop_token_ids} outside the vocabulary ({cfg.vocab_size})")
         if p.stop and self.detokenize is None:
             raise ValueError("stop strings need the engine to be built with a detokenize callable")
+        if self.vision_config is not None:
+            check_placeholders(ids, request.images, self.vision_config)  # ImageInputError: a ValueError
+        elif request.images:
+            raise ValueError(
+                "the request has images but this model has no vision tower (its config has no "
+                "vision_config); use a minimax_m3_vl checkpoint or the tiny-vl preset"
+            )
         # The last sampled token is never run through the model, hence the - 1.
         longest = min(len(ids) + p.max_tokens, cfg.max_position_embeddings) - 1
         need = -(-longest // self.cache.page_size)
@@ -180,6 +219,10 @@ class NativeEngine:
         dev = self.device
         draft, spec_chunks, num_verify = self._draft(chunks) if self.proposer is not None else (None, [], [])
         verify_of = {id(ch): (j, k) for j, (ch, k) in enumerate(zip(spec_chunks, num_verify))}
+        if self.images is not None:  # features of every request whose chunk reaches a placeholder
+            self.images.fill([ch.seq.group.images for ch in chunks if _chunk_has_images(ch)])
+            self._stats.images_encoded, self._stats.image_cache_hits = self.images.encoded, self.images.hits
+        feature_parts: list[torch.Tensor] = []  # rows of this step's placeholders, in token order
         ids, pos, seq_idx, tables, lens, sample_rows = [], [], [], [], [], []
         spec_rows: list[list[int]] = []  # per speculating chunk: its k + 1 logits rows
         draft_at, draft_src = [], []  # flattened positions that take a drafted token, (row, k) they take
@@ -189,6 +232,10 @@ class NativeEngine:
             start, stop = s.num_computed, s.num_computed + ch.num_new
             first = len(ids)
             ids += s.token_slice(start, stop) + [0] * k
+            if s.group.images is not None:
+                row_a, row_b = s.group.images.span(start, stop)
+                if row_b > row_a:
+                    feature_parts.append(s.group.images.features_NE[row_a:row_b])
             pos += range(start, stop + k)
             seq_idx += [b] * (ch.num_new + k)
             tables.append(s.block_table)
@@ -220,7 +267,10 @@ class NativeEngine:
         if self.proposer is not None:
             logits_RV = self.proposer.forward(*args, logits_indices=logits_rows)
         else:
-            logits_RV = self.model.forward_cached(*args, logits_indices=logits_rows)
+            feats_NE = torch.cat(feature_parts) if feature_parts else None
+            logits_RV = self.model.forward_cached(
+                *args, logits_indices=logits_rows, image_features_NE=feats_NE
+            )
         sampling = [ch.seq for ch in chunks if ch.samples and id(ch) not in verify_of]
         for ch in chunks:
             ch.seq.num_computed += ch.num_new + verify_of.get(id(ch), (-1, 0))[1]
@@ -250,6 +300,8 @@ class NativeEngine:
             finished += self._verify_and_update(
                 spec_logits, draft, [ch.seq for ch in spec_chunks], num_verify
             )
+        if self.images is not None:
+            _release_image_features(chunks)
         self._stats.preemptions = self.scheduler.num_preemptions
         self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
         self._stats.steps += 1
@@ -360,12 +412,17 @@ class NativeEngine:
     def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> list[Completion]:
         params = [s.group.request.params for s in seqs]
         dev = self.device
-        tokens_B, logprobs_B = sampler.sample(
-            logits_BV,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            [s.generator for s in seqs],
-            **self._truncation(params),
-        )
+        temperature_B = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        gens = [s.generator for s in seqs]
+        if self._banned_ids is None:
+            tokens_B, logprobs_B = sampler.sample(logits_BV, temperature_B, gens, **self._truncation(params))
+        else:
+            # Image ids are never drawn, but the reported log-prob is over the full vocabulary (the
+            # engine convention for truncation), which is what the learner recomputes.
+            allowed_BV = logits_BV.index_fill(-1, self._banned_ids, float("-inf"))
+            tokens_B, _ = sampler.sample(allowed_BV, temperature_B, gens, **self._truncation(params))
+            scaled_BV = sampler.temperature_scaled(logits_BV, temperature_B)
+            logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
         tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # SYNC: the scheduler needs the ids
         now = time.perf_counter()
         return [
@@ -389,6 +446,9 @@ class NativeEngine:
         self._active[s.group.request_id] -= 1
         if not self._active[s.group.request_id]:
             del self._active[s.group.request_id]
+            del self._groups[s.group.request_id]
+            if s.group.images is not None:
+                s.group.images.features_NE = None  # the cache may keep them; the request does not
         return self._completion(s, now)
 
     def _check_finished(self, s: Sequence, token: int) -> bool:
@@ -437,6 +497,11 @@ class NativeEngine:
             load_lora_state_dict(self.model, tensors)
         else:
             _copy_named_parameters(self.model, tensors)
+        if self.images is not None and has_projector_lora(self.model.vision):
+            self.images.clear()  # features depend on the adapter: recompute them
+            for g in self._groups.values():
+                if g.images is not None:
+                    g.images.features_NE = None
         self.adapter_version = version
         self._stats.adapter_version = version
 
@@ -444,6 +509,27 @@ class NativeEngine:
         s = self._stats
         s.pages_in_use = self.scheduler.allocator.num_in_use
         return EngineStats(**vars(s))
+
+
+def _chunk_has_images(ch: ScheduledChunk) -> bool:
+    im = ch.seq.group.images
+    if im is None:
+        return False
+    a, b = im.span(ch.seq.num_computed, ch.seq.num_computed + ch.num_new)
+    return b > a
+
+
+def _release_image_features(chunks: list[ScheduledChunk]) -> None:
+    """Drop a request's feature rows once every live sample has cached all its placeholders (the
+    leader prefilled and the siblings forked): held features scale with the requests in prefill,
+    not in flight. A preempted sample that recomputes them gets them again from the cache."""
+    for ch in chunks:
+        im = ch.seq.group.images
+        if im is None or im.features_NE is None:
+            continue
+        last = im.positions[-1]
+        if all(s.num_computed > last for s in ch.seq.group.sequences if s.finish_reason is None):
+            im.features_NE = None
 
 
 def _copy_named_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -39,10 +39,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.engine import Request
+
+if TYPE_CHECKING:
+    from rollout.native.images import RequestImages
 
 TokenCallback = Callable[[int, int, float], None]  # (sample_index, token_id, logprob)
 
@@ -98,6 +102,7 @@ class Group:
     stop_token_ids: frozenset[int]
     on_token: TokenCallback | None = None
     sequences: list[Sequence] = field(default_factory=list)
+    images: RequestImages | None = None  # the request's images and placeholder positions
 
 
 @dataclass

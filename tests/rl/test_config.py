@@ -210,3 +210,34 @@ def test_tracking_mode_none_resolves_from_wandb_mode_then_api_key(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert cfg.tracking.resolved_mode() == "online"
     assert load_config("quickstart", ["tracking.mode=disabled"]).tracking.resolved_mode() == "disabled"
+
+
+def test_projector_modules_are_checked_and_need_the_native_engine():
+    cfg = load_config("geo_vision", ["lora.projector_modules=[multi_modal_projector]"])
+    assert cfg.lora.projector_modules == ["multi_modal_projector"]
+    with pytest.raises(ValueError, match=r"lora.projector_modules: unknown module\(s\) \['vision_tower'\]"):
+        load_config("geo_vision", ["lora.projector_modules=[vision_tower]"])
+    with pytest.raises(ValueError, match=r"set rollout\.backend=native"):
+        load_config("geo_vision", ["lora.projector_modules=[patch_merge_mlp]", "rollout.backend=vllm"])
+
+
+def test_projector_targets_match_the_lora_module():
+    from model.layers.lora import PROJECTOR_TARGETS as MODEL_PROJECTOR_TARGETS
+    from rl.config import PROJECTOR_TARGETS
+
+    assert PROJECTOR_TARGETS == MODEL_PROJECTOR_TARGETS
+
+
+def test_lora_section_maps_every_field_to_the_model_lora_config():
+    # The trainer exports with this config: a dropped field (routed_experts once was) writes an adapter
+    # whose metadata disagrees with its tensors, and loading it fails.
+    from rl.workers import lora_config
+
+    cfg = load_config(
+        "geo_vision",
+        ["lora.routed_experts=true", "lora.dtype=bfloat16", "lora.projector_modules=[patch_merge_mlp]"],
+    )
+    lc = lora_config(cfg)
+    assert (lc.r, lc.alpha, lc.dropout) == (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
+    assert set(lc.target_modules) == set(cfg.lora.target_modules)
+    assert (lc.routed_experts, lc.dtype, lc.projector_modules) == (True, "bfloat16", ["patch_merge_mlp"])
