@@ -11,6 +11,13 @@ the CPU):
     `--context` tokens (strong scaling: the same sequences, pages interleaved over W ranks).
     Correctness: top-k sets identical to, and attention output within tolerance of, the single-rank
     torch ops on the unsharded cache.
+  - dep_learner: the learner's forward + backward (token log-probs, LoRA on attention and on the
+    routed experts) of a `learner_layers`-layer MSA + MoE model with the preset's shapes, DEP: every
+    rank its own `--tokens` tokens (weak scaling), experts and their adapters sharded
+    (`apply_expert_parallel(..., shard_lora=True)`). Correctness: each rank's log-probs vs the
+    unsharded model's on the same tokens, beside the unsharded model's own error in the run's dtype
+    against fp32 (bf16 moves a random M3-width model's log-probs by ~20%; DEP's bf16 error is ~10x
+    smaller, its fp32 error 4e-7 on an H200). `state_gb` = this rank's routed experts + their adapters.
 Tokens/s counts all ranks' tokens; step time is the slowest rank's median (ranks are barrier-aligned
 before every repeat). Memory per GPU: `state_gb` = this rank's expert bank or KV + index pages,
 `peak_gb` = torch.cuda.max_memory_allocated during the timed steps (None on CPU).
@@ -23,6 +30,7 @@ Usage:
   python benchmarks/scaleout.py --device cuda --worlds 1,2 --json OUT.jsonl        (spawns ranks)
   torchrun --nproc-per-node 2 benchmarks/scaleout.py --device cuda                  (one world)
   python benchmarks/scaleout.py --device cpu --worlds 1,2 --preset tiny             (CPU smoke test)
+  ... --benches dep_learner                                                          (a subset)
 """
 
 import argparse
@@ -35,26 +43,29 @@ import time
 import torch
 import torch.distributed as dist
 
-from model.config import ModelConfig
+from model.config import ModelConfig, QuantConfig
 from model.kernels.indexer import index_select_blocks_torch
 from model.kernels.sparse_attention import sparse_attention_torch
 from model.kv_cache import PagedIndex, PagedKV
+from model.layers.lora import LoRAConfig, apply_lora
 from model.layers.moe import MoE
+from model.modeling import MiniMaxM3ForCausalLM
 from model.parallel.context_parallel import (
     DCPLayout,
     dcp_index_select_blocks,
     dcp_sparse_attention,
     shard_pages,
 )
-from model.parallel.expert_parallel import ExpertParallelMoE
+from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_parallel
 from model.parallel.groups import ParallelGroups, launch_local
 
 # Shapes: M3.1-Flash's MoE layer and MSA layer (FACTS 2), and a CPU-sized twin.
 PRESETS = {
     "m3": dict(hidden=6144, ffn=3072, experts=128, topk=4, tokens=2048, heads=64, kv_heads=4, head_dim=128,
-               page=128, topk_blocks=16, context=131072, batch=8, reps=10),
+               page=128, topk_blocks=16, context=131072, batch=8, reps=10, model="m3.1-flash",
+               learner_layers=2),
     "tiny": dict(hidden=64, ffn=64, experts=8, topk=2, tokens=64, heads=4, kv_heads=2, head_dim=32,
-                 page=16, topk_blocks=4, context=512, batch=2, reps=3),
+                 page=16, topk_blocks=4, context=512, batch=2, reps=3, model="tiny", learner_layers=2),
 }  # fmt: skip
 
 
@@ -206,14 +217,75 @@ def bench_dcp(p: dict, groups: ParallelGroups, device: torch.device, dtype: torc
     return rows
 
 
-def bench_rank(p: dict, device_type: str) -> list[dict]:
+# --------------------------------------------------------------------------------- DEP learner
+@torch.no_grad()
+def _random_model_(model: MiniMaxM3ForCausalLM, gen: torch.Generator) -> None:
+    """Random weights drawn on the model's device (init_weights draws on the CPU: minutes at M3
+    width); the same on every rank."""
+    for p in model.parameters():
+        p.normal_(0.0, 0.02, generator=gen)
+    for layer in model.model.layers:
+        if hasattr(layer, "block_sparse_moe"):
+            _random_nvfp4_bank_(layer.block_sparse_moe, gen)
+            layer.block_sparse_moe.e_score_correction_bias.zero_()
+
+
+def bench_dep_learner(
+    p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype
+) -> list[dict]:
+    L = p["learner_layers"]
+    cfg = dataclasses.replace(
+        ModelConfig.preset(p["model"]), num_hidden_layers=L, layer_types=["minimax_m3_sparse"] * L,
+        mlp_layer_types=["sparse"] * L, num_local_experts=p["experts"], num_experts_per_tok=p["topk"],
+        quantization=QuantConfig(routed_experts="nvfp4"), num_mtp_modules=0,
+    )  # fmt: skip
+    with torch.device(device):
+        model = MiniMaxM3ForCausalLM(cfg)
+    _random_model_(model, torch.Generator(device).manual_seed(0))
+    apply_lora(model, LoRAConfig(r=32, alpha=64.0, routed_experts=True), seed=0)
+    gen = torch.Generator(device).manual_seed(1 + groups.rank)  # every rank its own sequences
+    ids_BS = torch.randint(3, cfg.vocab_size, (2, p["tokens"] // 2 + 1), generator=gen, device=device)
+    inputs_BS, targets_BS = ids_BS[:, :-1], ids_BS[:, 1:]
+
+    def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12)).item()
+
+    with torch.no_grad():
+        # The unsharded model in fp32 and in the run's dtype: a random M3-width model is so sensitive
+        # that bf16 alone moves its log-probs by ~20%, which is the scale to judge DEP's error by.
+        ref32 = model.token_logprobs(inputs_BS, targets_BS)[0]
+        model.to(dtype)
+        ref = model.token_logprobs(inputs_BS, targets_BS)[0]
+        apply_expert_parallel(model, groups.ep_group, shard_lora=True)
+        got = model.token_logprobs(inputs_BS, targets_BS)[0]
+    err, dtype_err = rel_err(got, ref), rel_err(ref, ref32)
+    state = 0
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            state += _bytes(*m.experts.buffers(recurse=False), *m.experts.lora.parameters())
+    model.train()
+
+    def fwd_bwd():
+        model.token_logprobs(inputs_BS, targets_BS)[0].sum().backward()
+
+    _reset_peak(device)
+    t = _timed(fwd_bwd, max(2, p["reps"] // 2), device)
+    return [dict(bench="dep_learner", step_s=t, tokens=p["tokens"] * groups.world_size, rel_err=err,
+                 dtype_rel_err=dtype_err, state_gb=state / 1e9, peak_gb=_peak_gb(device))]  # fmt: skip
+
+
+BENCHES = ("ep", "dcp", "dep_learner")
+
+
+def bench_rank(p: dict, device_type: str, benches: tuple[str, ...] = BENCHES) -> list[dict]:
     """Everything one rank runs (inside an initialised world); returns its rows."""
     groups = ParallelGroups.build()
     device = (
         torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     )
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    rows = bench_ep(p, groups, device, dtype) + bench_dcp(p, groups, device, dtype)
+    fns = {"ep": bench_ep, "dcp": bench_dcp, "dep_learner": bench_dep_learner}
+    rows = [row for name in benches for row in fns[name](p, groups, device, dtype)]
     for r in rows:
         r.update(world=groups.world_size, rank=groups.rank, device=device_type)
     return rows
@@ -227,6 +299,8 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         first.pop("rank")
         first["step_s"] = max(r["step_s"] for r in rows)
         first["rel_err"] = max(r["rel_err"] for r in rows)
+        if "dtype_rel_err" in first:
+            first["dtype_rel_err"] = max(r["dtype_rel_err"] for r in rows)
         first["state_gb"] = max(r["state_gb"] for r in rows)
         peaks = [r["peak_gb"] for r in rows if r["peak_gb"] is not None]
         first["peak_gb"] = max(peaks) if peaks else None
@@ -255,6 +329,8 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['tokens_per_s'] / base[r['bench']]:.2f}x" if r["bench"] in base else "-"
         peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "-"
         check = f"rel err {r['rel_err']:.1e}" + (", top-k identical" if r.get("topk_identical") else "")
+        if "dtype_rel_err" in r:
+            check += f" (the dtype's own vs fp32: {r['dtype_rel_err']:.1e})"
         if r.get("topk_identical") is False:
             check += ", TOP-K DIFFERS"
         cells = [r["bench"], r["world"], r["tokens"], f"{r['step_s'] * 1e3:.2f}", f"{r['tokens_per_s']:.0f}",
@@ -272,7 +348,14 @@ def main() -> None:
     for key in ("tokens", "context", "batch", "experts", "reps"):
         ap.add_argument(f"--{key}", type=int, default=None, help=f"override the preset's {key}")
     ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
+    ap.add_argument(
+        "--benches", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}"
+    )
     args = ap.parse_args()
+    benches = tuple(b.strip() for b in args.benches.split(",") if b.strip())
+    unknown = [b for b in benches if b not in BENCHES]
+    if unknown:
+        ap.error(f"--benches: unknown {unknown}; choose from {list(BENCHES)}")
     p = dict(PRESETS[args.preset or ("m3" if args.device == "cuda" else "tiny")])
     p.update(
         {k: getattr(args, k) for k in ("tokens", "context", "batch", "experts", "reps") if getattr(args, k)}
@@ -282,7 +365,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-        mine = bench_rank(p, args.device)
+        mine = bench_rank(p, args.device, benches)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         is_main = dist.get_rank() == 0
@@ -293,7 +376,7 @@ def main() -> None:
     else:
         rows = []
         for world in (int(w) for w in args.worlds.split(",")):
-            rows += summarize(launch_local(bench_rank, world, p, args.device, backend=backend))
+            rows += summarize(launch_local(bench_rank, world, p, args.device, benches, backend=backend))
     for r in rows:
         r["shape"] = p
         print(json.dumps(r))

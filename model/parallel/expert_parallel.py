@@ -24,9 +24,10 @@ over few ranks; left for later, see the report in benchmarks/RESULTS.md.)
 Invariants: with a world of 1 (or no torch.distributed) no collective runs and the result is the
 single-process MoE's; every rank of the EP group must call forward (and backward) of every EP layer
 in the same order, with zero tokens if it has none; the fp32 output equals the single-process MoE
-up to fp32 summation order. Expert-adapter gradients appear only on the rank owning the expert:
-summing LoRA gradients over the EP group (the DP all-reduce of a learner) gives the union-batch
-gradient.
+up to fp32 summation order. Expert-adapter gradients appear only on the rank owning the expert
+(the backward all-to-all brings every rank's tokens' contributions there): with the adapter kept
+whole on every rank, summing LoRA gradients over the EP group gives the union-batch gradient; with
+`shard_lora` the owner's shard gradient already is the union-batch gradient of those experts.
 
 Legend: T tokens, D hidden, E experts (global), El local experts, K top-k, S = T*K token-slots
 sent, R token-slots received, W ranks in the EP group.
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.kernels.moe import moe_experts
+from model.layers.lora import ExpertLoRA
 from model.layers.moe import ExpertBank, MoE, RouterStats
 from model.parallel.groups import group_rank, group_size
 
@@ -116,9 +118,25 @@ class _ShardLoRA(nn.Module):
         return self._inner(e + self.offset, proj, x_MI)
 
 
-def shard_expert_bank(bank: ExpertBank, lo: int, hi: int) -> ExpertBank:
+def _slice_expert_lora(lora: ExpertLoRA, local: ExpertBank, lo: int, hi: int) -> ExpertLoRA:
+    """An `ExpertLoRA` of the local bank holding copies of experts [lo, hi) of `lora` (new trainable
+    Parameters: the adapter of those experts now lives on this rank only)."""
+    dropout = lora.lora_dropout.p if isinstance(lora.lora_dropout, nn.Dropout) else 0.0
+    dtype = lora.w1.lora_A.dtype
+    # A throwaway generator: the constructor's random A init is overwritten below, and drawing from
+    # the global RNG would shift every later draw of this process against a single-process run.
+    local_lora = ExpertLoRA(local, lora.r, lora.alpha, dropout, dtype, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in local_lora.named_parameters():
+            p.copy_(lora.get_parameter(name)[lo:hi])
+    return local_lora
+
+
+def shard_expert_bank(bank: ExpertBank, lo: int, hi: int, shard_lora: bool = False) -> ExpertBank:
     """Experts [lo, hi) of `bank` as a bank of their own (copies of the stored tensors, same format,
-    same trainability; a `lora` hook is kept, indexed by global expert id)."""
+    same trainability). Its `lora` hook: with `shard_lora` and an `ExpertLoRA`, a sharded copy
+    (factors [hi - lo, ...], indexed by local expert id); otherwise the whole adapter, indexed by
+    global expert id (every rank keeps every expert's factors)."""
     if not 0 <= lo < hi <= bank.num_experts:
         raise ValueError(f"shard_expert_bank: bad range [{lo}, {hi}) of {bank.num_experts} experts")
     ref = bank.w1_weight
@@ -131,7 +149,9 @@ def shard_expert_bank(bank: ExpertBank, lo: int, hi: int) -> ExpertBank:
     with torch.no_grad():
         for name, t in [*bank.named_parameters(recurse=False), *bank.named_buffers(recurse=False)]:
             getattr(local, name).copy_(t[lo:hi])
-    if isinstance(bank.lora, nn.Module):
+    if shard_lora and isinstance(bank.lora, ExpertLoRA):
+        local.lora = _slice_expert_lora(bank.lora, local, lo, hi)
+    elif isinstance(bank.lora, nn.Module):
         local.lora = _ShardLoRA(bank.lora, lo)
     elif bank.lora is not None:  # a plain callable: shift the expert index in a closure
         local.lora = lambda e, proj, x, _fn=bank.lora: _fn(e + lo, proj, x)
@@ -168,9 +188,10 @@ class ExpertParallelMoE(nn.Module):
     checkpoint names are unchanged) and replaces `experts` by this rank's shard.
     """
 
-    def __init__(self, moe: MoE, ep_group: dist.ProcessGroup | None):
+    def __init__(self, moe: MoE, ep_group: dist.ProcessGroup | None, shard_lora: bool = False):
         super().__init__()
         self.ep_group = ep_group
+        self.is_lora_sharded = shard_lora and isinstance(moe.experts.lora, ExpertLoRA)
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         self.num_experts = moe.experts.num_experts
         self.ranges = expert_ranges(self.num_experts, self.ep_size)
@@ -178,11 +199,17 @@ class ExpertParallelMoE(nn.Module):
         self.top_k, self.routed_scaling_factor = moe.top_k, moe.routed_scaling_factor
         self.gate = moe.gate
         self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
-        self.experts = shard_expert_bank(moe.experts, self.expert_lo, self.expert_hi)
+        self.experts = shard_expert_bank(moe.experts, self.expert_lo, self.expert_hi, shard_lora)
         self.shared_experts = moe.shared_experts
         # Exclusive upper expert bound of each rank: destination = searchsorted(bounds, id, right).
-        self.register_buffer("_rank_hi_W", torch.tensor([hi for _, hi in self.ranges]), persistent=False)
-        self.register_buffer("_rank_lo_W", torch.tensor([lo for lo, _ in self.ranges]), persistent=False)
+        # On the bank's device: a model moved before wrapping must not leave these behind on the CPU.
+        dev = moe.e_score_correction_bias.device
+        self.register_buffer(
+            "_rank_hi_W", torch.tensor([hi for _, hi in self.ranges], device=dev), persistent=False
+        )
+        self.register_buffer(
+            "_rank_lo_W", torch.tensor([lo for lo, _ in self.ranges], device=dev), persistent=False
+        )
 
     # The router stays fp32 and the shard keeps its storage dtypes, exactly as in MoE.
     _apply = MoE._apply
@@ -212,15 +239,29 @@ class ExpertParallelMoE(nn.Module):
             local_ids_R = torch.empty(sum(recv), dtype=local_ids_S.dtype, device=x_TD.device)
             dist.all_to_all_single(local_ids_R, local_ids_S, recv, send, group=self.ep_group)
             x_RD = all_to_all(x_TD[token_S], recv, send, self.ep_group)
-        # One slot per row with weight 1: moe_experts returns each row's expert output unweighted.
-        ones_R1 = torch.ones((x_RD.shape[0], 1), dtype=torch.float32, device=x_TD.device)
-        y_RD = moe_experts(x_RD, local_ids_R[:, None], ones_R1, self.experts)
+        if x_RD.shape[0] == 0:
+            y_RD = self._no_rows(x_RD)
+        else:
+            # One slot per row with weight 1: moe_experts returns each row's expert output unweighted.
+            ones_R1 = torch.ones((x_RD.shape[0], 1), dtype=torch.float32, device=x_TD.device)
+            y_RD = moe_experts(x_RD, local_ids_R[:, None], ones_R1, self.experts)
         y_SD = y_RD if W == 1 else all_to_all(y_RD, send, recv, self.ep_group)
         contrib_SD = y_SD.float() * weights_TK.reshape(-1)[order_S].float().unsqueeze(1)
         y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add(
             0, token_S, contrib_SD
         )
         return y_TD.to(x_TD.dtype), send_W, recv_W
+
+    def _no_rows(self, x_RD: torch.Tensor) -> torch.Tensor:
+        """The [0, D] expert output of a rank that received nothing. It must still depend on x_RD and
+        on the trainable expert tensors: the backward all-to-alls are collective, and autograd only
+        runs them here if this rank's graph reaches them as every other rank's does."""
+        y_RD = x_RD * 0
+        if torch.is_grad_enabled():
+            for p in self.experts.parameters():
+                if p.requires_grad:
+                    y_RD = y_RD + p.reshape(-1)[:0].sum()  # an exact 0 wired to p (its gradient: zeros)
+        return y_RD
 
     def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, EPStats]:
         """x [..., D] -> (out [..., D], EPStats); collective over the EP group."""
@@ -246,15 +287,20 @@ class ExpertParallelMoE(nn.Module):
         return total_E
 
 
-def apply_expert_parallel(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, ep_group: dist.ProcessGroup | None, shard_lora: bool = False
+) -> nn.Module:
     """DEP: replace, in place, every `MoE` module of `model` by an `ExpertParallelMoE` over
     `ep_group` (attention stays per rank: each rank feeds its own sequences). Apply after
-    `apply_lora` so per-expert adapters keep their global shapes and names. Returns `model`."""
+    `apply_lora`. Per-expert adapters keep their names; `shard_lora=False` keeps every expert's
+    factors on every rank (engines: a full adapter loads unchanged), `shard_lora=True` keeps only
+    this rank's experts' factors (learners: adapter and optimizer memory / W; see
+    model/parallel/dep_learner.py for gathering them back). Returns `model`."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not targets:
         raise ValueError("apply_expert_parallel: the model has no MoE block to shard")
     for name, moe in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, ExpertParallelMoE(moe, ep_group))
+        setattr(parent, leaf, ExpertParallelMoE(moe, ep_group, shard_lora))
     return model

@@ -1,6 +1,7 @@
 """Several learners and rollout workers on Ray: data-parallel learners (gloo all-reduce of LoRA
-gradients) take the same step as one learner on the union batch; a 2 x 2 run placed with a Ray
-placement group produces the same data and metrics as a 1 x 1 run."""
+gradients), and DEP learners (experts and expert adapters sharded, tokens exchanged by all-to-all),
+take the same step as one learner on the union batch; a 2 x 2 run placed with a Ray placement group
+produces the same data and metrics as a 1 x 1 run."""
 
 from __future__ import annotations
 
@@ -69,6 +70,30 @@ def test_two_data_parallel_learners_equal_one_learner_on_the_union_batch(ray_loc
         ray.kill(actor)
 
 
+def test_two_dep_learners_with_sharded_expert_adapters_equal_one_learner(ray_local, tmp_path):
+    """DEP on Ray: 2 learner actors (TCP rendezvous) each hold half the routed experts and half the
+    expert adapters; after a GRPO step both return the same full adapter as one learner."""
+    dep = ("trainer.learner_parallel=dep", "lora.routed_experts=true", "lora.r=4", "lora.alpha=8",
+           "trainer.torch_threads=1")  # fmt: skip
+    cfg = load_config("quickstart", [f"output_dir={tmp_path}", *QUICK, *dep])
+    base = str(prepare_base(cfg, tmp_path))
+    samples = _samples()
+    single = ray.remote(num_cpus=0)(Learner).remote(cfg, base)
+    pair = [ray.remote(num_cpus=0)(Learner).remote(cfg, base, r, 2) for r in range(2)]
+    addr = ray.get(pair[0].rendezvous_address.remote())
+    ray.get([lrn.init_group.remote(*addr) for lrn in pair])
+    ray.get([single.train_step.remote(samples), *(lrn.train_step.remote(samples) for lrn in pair)])
+    one = ray.get(single.adapter_update.remote()).tensors
+    a, b = ray.get([lrn.adapter_update.remote() for lrn in pair])  # collective: every learner calls it
+    assert any(".experts.lora." in k for k in one)
+    for k in one:
+        assert a.tensors[k].shape == one[k].shape, k  # the full adapter, gathered
+        assert torch.equal(a.tensors[k], b.tensors[k]), f"learners disagree on {k}"
+        torch.testing.assert_close(a.tensors[k], one[k], atol=2e-6, rtol=1e-4)
+    for actor in [single, *pair]:
+        ray.kill(actor)
+
+
 def _metrics(run_dir) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keep = ("reward/", "acc/", "response_length/", "eval/", "dynamic_sampling/")
@@ -91,3 +116,26 @@ def test_two_by_two_run_in_a_placement_group_matches_one_by_one(ray_local, tmp_p
     s1 = (tmp_path / "one" / "samples.jsonl").read_text()
     s2 = (tmp_path / "two" / "samples.jsonl").read_text()
     assert s1 == s2  # the same completions whatever the worker count
+
+
+@pytest.mark.slow
+def test_trainer_with_two_dep_learners_matches_one_learner(ray_local, tmp_path, monkeypatch):
+    """The driver path: fingerprints (taken before sharding) agree with the engine's, the gathered
+    adapter (expert factors sharded over the two learners) syncs to the engine, a checkpoint is taken
+    from both learners, and the run's data and metrics equal a 1-learner run's."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    common = ["trainer.total_steps=2", "lora.routed_experts=true", "trainer.save_every=2"]
+    for name, extra in (("one", []), ("dep", ["trainer.num_learners=2", "trainer.learner_parallel=dep"])):
+        trainer = Trainer(load_config("quickstart", [f"output_dir={tmp_path / name}", *QUICK,
+                                                     *common, *extra]))  # fmt: skip
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    one, dep = _metrics(tmp_path / "one"), _metrics(tmp_path / "dep")
+    assert [sorted(r) for r in one] == [sorted(r) for r in dep]
+    for r1, r2 in zip(one, dep):  # expert gradients arrive through the all-to-all: summation order differs
+        assert all(r2[k] == pytest.approx(v, rel=1e-4, abs=1e-6) for k, v in r1.items()), (r1, r2)
+    s1, s2 = ((tmp_path / name / "samples.jsonl").read_text() for name in ("one", "dep"))
+    assert s1 == s2
+    assert (tmp_path / "dep" / "adapter" / "adapter_model.safetensors").is_file()
