@@ -1,12 +1,28 @@
 """Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain).
 
 Runs the quickstart twice from the same seed with the cached quickstart drafter
-(rollout.dspark.train.ensure_quickstart_drafter): once with the drafter frozen, once co-trained on
-every step's rollouts, and prints `spec/accept_len` (tokens per verification pass in the step's
-rollouts) per step side by side, plus the means over the first and last thirds. Both runs sample
-the same way (speculation is lossless), so any difference in acceptance is the drafter's.
+(rollout.dspark.train.ensure_quickstart_drafter): once with the drafter frozen, once co-trained
+(rollout/dspark/cotrain.py), both with fixed-length verification (every draft verified, so the
+accepted length measures the drafter alone, not the scheduler's choices). Prints per third of the
+run (first / middle / last): `spec/accept_len` (tokens per verification pass in the step's
+rollouts), the co-trainer's held-out teacher-forced estimate, and step / learner / co-training
+seconds.
 
-    python benchmarks/dspark_cotrain.py --steps 30 --json benchmarks/results/dspark_cotrain_cpu.jsonl
+Then, offline and on the same held-out prompts for every drafter (teacher-forced estimates on
+temperature-1 rollouts of the named policy, rollout/dspark/train.py `estimate_accept_len`):
+- start: the step-0 policy with the shipped drafter (what both runs began with);
+- each run's final policy with the shipped drafter (frozen: the decay), with the run's own
+  co-trained drafter (`output_dir/drafter`), and with the shipped drafter fine-tuned for
+  `--oracle-steps` on fresh rollouts of that final policy (the "tracked perfectly" ceiling).
+The gap between the shipped drafter and the ceiling is all co-training can win back; whatever
+decay remains at the ceiling comes from the policy itself becoming harder to predict.
+
+    python benchmarks/dspark_cotrain.py --steps 60 --threads 1 \\
+        --json benchmarks/results/dspark_cotrain_cpu.jsonl optim.lr=3e-3 \\
+        [--cotrain rollout.dspark.cotrain_every=2 ...]   (overrides for the co-trained run only, last)
+
+(optim.lr=3e-3, three times the quickstart's, makes the policy drift enough in 60 steps for a
+frozen drafter's decay to stand out of the step-to-step noise.)
 """
 
 from __future__ import annotations
@@ -16,64 +32,166 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
+DRAFTER = "runs/_cache/quickstart-dspark"
 
 
-def run(out: Path, steps: int, cotrain: bool, extra: list[str]) -> list[dict]:
+def run(out: Path, steps: int, threads: int, cotrain: bool, extra: list[str]) -> list[dict]:
     cmd = [
         sys.executable, "-m", "rl.train", "recipe=quickstart", f"output_dir={out}",
         f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
-        "tracking.mode=offline", "rollout.dspark.drafter=runs/_cache/quickstart-dspark",
+        "tracking.mode=offline", f"rollout.dspark.drafter={DRAFTER}", "rollout.dspark.mode=fixed",
+        f"rollout.torch_threads={threads}", f"trainer.torch_threads={threads}",
         f"rollout.dspark.cotrain={str(cotrain).lower()}", *extra,
     ]  # fmt: skip
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    t0 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.exit(f"rl.train failed ({proc.returncode}); its output: {log}\n{log.read_text()[-3000:]}")
+    print(f"{'co-trained' if cotrain else 'frozen'} run: {time.perf_counter() - t0:.0f}s", flush=True)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] >= 1]
+
+
+def thirds(rows: list[dict], key: str) -> list[float | None]:
+    n, t = len(rows), max(1, len(rows) // 3)
+    out = []
+    for part in (rows[:t], rows[t : n - t], rows[n - t :]):
+        vals = [r[key] for r in part if r.get(key) is not None]
+        out.append(sum(vals) / len(vals) if vals else None)
+    return out
+
+
+# --------------------------------------------------------------------------- offline evaluation
+def _policy(run_dir: Path | None):
+    """The quickstart base (+ the run's final adapter), with the run's cache numerics."""
+    import yaml
+
+    from model.adapter import load_adapter
+    from model.checkpoint import load_model
+
+    target = load_model(REPO / "runs/_cache/quickstart-base", dtype=torch.float32).eval()
+    target.config.kv_cache_dtype = "nvfp4"  # recipes/quickstart.yaml: what the engines ran
+    if run_dir is not None:
+        kv = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["kv_cache_dtype"]
+        target.config.kv_cache_dtype = kv or target.config.kv_cache_dtype
+        load_adapter(target, run_dir / "adapter")
+    return target.requires_grad_(False)
+
+
+def _rollouts(target, prompt_seed: int, num_prompts: int) -> list[tuple[list[int], int]]:
+    from rl.tokenizer import ByteTokenizer
+    from rollout.dspark.train import TrainConfig, arithmetic_prompts, generate_sequences
+
+    cfg = TrainConfig(samples_per_prompt=8, temperature=1.0, max_tokens=12, seed=prompt_seed)
+    prompts = arithmetic_prompts(num_prompts, seed=prompt_seed)
+    return generate_sequences(target, prompts, cfg, (ByteTokenizer.eos_token_id,))
+
+
+def offline_eval(run_dirs: dict[str, Path], oracle_steps: int, num_prompts: int) -> dict[str, dict]:
+    from rollout.dspark import load_drafter
+    from rollout.dspark.cotrain import CoTrainConfig, CoTrainer
+    from rollout.dspark.train import build_features, estimate_accept_len
+
+    def accept_len(target, drafter, seqs) -> dict[str, float]:
+        f = build_features(target, seqs, drafter.config.target_layer_ids, drafter.dtype)
+        est = estimate_accept_len(drafter, f, torch.Generator().manual_seed(0), anchors_per_seq=8)
+        return {k: round(est[k], 3) for k in ("accept_len_sampled", "accept_len_greedy")}
+
+    out = {}
+    target = _policy(None)
+    out["start"] = {
+        "shipped": accept_len(target, load_drafter(DRAFTER, target), _rollouts(target, 777, num_prompts))
+    }
+    for name, run_dir in run_dirs.items():
+        target = _policy(run_dir)
+        held = _rollouts(target, 777, num_prompts)  # the same prompts as "start"
+        row = {"shipped": accept_len(target, load_drafter(DRAFTER, target), held)}
+        if (run_dir / "drafter").exists():
+            row["run_cotrained"] = accept_len(target, load_drafter(run_dir / "drafter", target), held)
+        oracle = load_drafter(DRAFTER, target)
+        ct = CoTrainer(target, oracle, CoTrainConfig(steps=oracle_steps, lr=5e-4, replay_steps=1,
+                                                     max_seqs_per_step=4096))  # fmt: skip
+        ct.update(_rollouts(target, 31337, 4 * num_prompts))
+        row["ceiling"] = accept_len(target, oracle, held)
+        out[name] = row
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each rollout worker and learner")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("extra", nargs="*", help="more rl.train overrides, e.g. optim.lr=2e-3")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the two run directories here")
+    ap.add_argument("--oracle-steps", type=int, default=300)
+    ap.add_argument("--eval-prompts", type=int, default=64)
+    ap.add_argument("--cotrain", nargs="*", default=[], help="overrides for the co-trained run only")
+    ap.add_argument("extra", nargs="*", help="rl.train overrides for both runs, e.g. optim.lr=3e-3")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
+    torch.set_num_threads(args.threads)
     from rl.warmup import ensure_base
     from rollout.dspark.train import ensure_quickstart_drafter
 
     ensure_base(REPO / "runs/_cache/quickstart-base")
     ensure_quickstart_drafter()
     with tempfile.TemporaryDirectory() as tmp:
-        frozen = run(Path(tmp) / "frozen", args.steps, False, args.extra)
-        cotrained = run(Path(tmp) / "cotrain", args.steps, True, args.extra)
-    rows = []
-    print("| step | accept_len frozen | accept_len co-trained | co-train loss |\n|---|---|---|---|")
-    for a, b in zip(frozen, cotrained, strict=True):
-        row = {"step": a["step"], "frozen": a.get("spec/accept_len"), "cotrained": b.get("spec/accept_len"),
-               "cotrain_loss": b.get("spec/cotrain_loss"), "reward_frozen": a.get("reward/mean"),
-               "reward_cotrained": b.get("reward/mean")}  # fmt: skip
-        rows.append(row)
-        loss = row["cotrain_loss"] or 0.0
-        print(f"| {row['step']} | {row['frozen']:.3f} | {row['cotrained']:.3f} | {loss:.4f} |")
-    third = max(1, len(rows) // 3)
+        root = args.keep or Path(tmp)
+        dirs = {"frozen": root / "frozen", "cotrained": root / "cotrain"}
+        frozen = run(dirs["frozen"], args.steps, args.threads, False, args.extra)
+        cotrained = run(dirs["cotrained"], args.steps, args.threads, True, [*args.extra, *args.cotrain])
+        offline = offline_eval(dirs, args.oracle_steps, args.eval_prompts)
 
-    def mean(key, part):
-        return sum(r[key] for r in part) / len(part)
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}"
 
-    first, last = rows[:third], rows[-third:]
-    summary = {
-        "first_third_frozen": mean("frozen", first), "first_third_cotrained": mean("cotrained", first),
-        "last_third_frozen": mean("frozen", last), "last_third_cotrained": mean("cotrained", last),
+    table = {
+        "accept_len frozen": thirds(frozen, "spec/accept_len"),
+        "accept_len co-trained": thirds(cotrained, "spec/accept_len"),
+        "co-trained, held-out estimate": thirds(cotrained, "spec/cotrain_accept_len_before"),
+        "reward frozen": thirds(frozen, "reward/mean"),
+        "reward co-trained": thirds(cotrained, "reward/mean"),
+        "step s frozen": thirds(frozen, "timing_s/step"),
+        "step s co-trained": thirds(cotrained, "timing_s/step"),
+        "learner update s co-trained": thirds(cotrained, "timing_s/update"),
+        "co-training s (worker 0, overlaps the update)": thirds(cotrained, "spec/cotrain_seconds"),
     }  # fmt: skip
-    summary["last_third_ratio"] = summary["last_third_cotrained"] / summary["last_third_frozen"]
-    print(json.dumps(summary, indent=2))
+    print("\n| per third of the run | first | middle | last |\n| --- | --- | --- | --- |")
+    for k, v in table.items():
+        print(f"| {k} | {' | '.join(fmt(x) for x in v)} |")
+    print("\n| teacher-forced accept_len (sampled / greedy) | shipped drafter | run's co-trained | ceiling |")
+    print("| --- | --- | --- | --- |")
+    for name, row in offline.items():
+        cells = [
+            f"{row[k]['accept_len_sampled']:.3f} / {row[k]['accept_len_greedy']:.3f}" if k in row else "-"
+            for k in ("shipped", "run_cotrained", "ceiling")
+        ]
+        print(f"| {name} policy | {' | '.join(cells)} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         with args.json.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-            f.write(json.dumps({"summary": summary, "steps": args.steps}) + "\n")
+            for a, b in zip(frozen, cotrained, strict=True):
+                keys = ("spec/accept_len", "reward/mean", "timing_s/step", "timing_s/update")
+                ct_keys = (
+                    *keys,
+                    "spec/cotrain_accept_len_before",
+                    "spec/cotrain_loss",
+                    "spec/cotrain_seconds",
+                )
+                row = {"step": a["step"], **{f"frozen/{k}": a.get(k) for k in keys},
+                       **{f"cotrained/{k}": b.get(k) for k in ct_keys}}  # fmt: skip
+                f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({"summary": table, "offline": offline, "steps": args.steps,
+                                "extra": args.extra, "cotrain": args.cotrain}) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

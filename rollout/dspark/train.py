@@ -177,8 +177,12 @@ def block_outputs(drafter: Drafter, f: Features, anchors_BA: torch.Tensor) -> di
     return dict(logits=logits_BANV, p=p_BANV, next=next_BAN, valid=valid_BAN, conf_logit=conf_BAN)
 
 
-def distill_loss(drafter: Drafter, f: Features, anchors_BA: torch.Tensor, valid_BA: torch.Tensor):
-    """0.1 CE + 0.9 TV + 1.0 confidence BCE, position weights exp(-(k-1)/4) -> (loss, metrics)."""
+def distill_loss(
+    drafter: Drafter, f: Features, anchors_BA: torch.Tensor, valid_BA: torch.Tensor, focus: float = 0.0
+):
+    """0.1 CE + 0.9 TV + 1.0 confidence BCE, position weights exp(-(k-1)/4) -> (loss, metrics).
+    `focus` > 0 also weights each position by (its TV / the batch's mean TV) ** focus (no gradient
+    through the weight): the positions where verification would reject the draft count more."""
     o = block_outputs(drafter, f, anchors_BA)
     N = drafter.config.block_size
     logq_BANV = torch.log_softmax(o["logits"], dim=-1)
@@ -187,6 +191,10 @@ def distill_loss(drafter: Drafter, f: Features, anchors_BA: torch.Tensor, valid_
     bce_BAN = F.binary_cross_entropy_with_logits(o["conf_logit"], (1 - tv_BAN).detach(), reduction="none")
     w_N = torch.exp(-torch.arange(N, device=tv_BAN.device, dtype=torch.float32) / 4)
     w_BAN = w_N * (o["valid"] & valid_BA[..., None]).float()
+    if focus > 0:
+        tv_d = tv_BAN.detach()
+        mean_tv = (tv_d * w_BAN).sum() / w_BAN.sum().clamp(min=1.0)
+        w_BAN = w_BAN * (tv_d / mean_tv.clamp(min=1e-6)) ** focus
     denom = w_BAN.sum().clamp(min=1.0)
     ce, tv, bce = ((x * w_BAN).sum() / denom for x in (ce_BAN, tv_BAN, bce_BAN))
     loss = 0.1 * ce + 0.9 * tv + 1.0 * bce
