@@ -18,7 +18,11 @@ the B=1 indexer's 2.4 MB of keys do stay in L2). `eager_us` is triton.testing.do
 before every repeat, host launch cost included): v1's only number, and launch-bound for every kernel
 below ~150 us. Naive torch baselines (host syncs, not capturable) are eager.
 
-Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick]
+Indexer / attention versions (`--variants v2 v3`, both by default): v3 decodes NVFP4 keys / pages
+word-wise to fp16 (`triton_common.load_nvfp4_tile_f16`), v2 byte-wise; each NVFP4 and FP8 time is
+taken per version and the ratio table prints NVFP4 vs FP8 for each, plus NVFP4 v3 vs v2.
+
+Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -33,14 +37,21 @@ from model.config import ModelConfig
 from model.kernels.indexer import index_select_blocks_torch
 from model.kernels.moe import moe_experts_torch, swigluoai
 from model.kernels.sparse_attention import sparse_attention_torch
-from model.kernels.triton_indexer import index_select_blocks_triton
+from model.kernels.triton_indexer import _index_scores_tuned, index_select_blocks_triton
 from model.kernels.triton_kv_append import nvfp4_append
-from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_linear_triton, nvfp4_mlp_triton
+from model.kernels.triton_moe import (
+    GEMV_MAX_ROWS,
+    _nvfp4_moe_tuned,
+    moe_nvfp4_triton,
+    nvfp4_linear_triton,
+    nvfp4_mlp_triton,
+)
 from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
 ROOFLINE_TBS = 4.17
+VARIANTS = ("v2", "v3")  # indexer / attention decode versions timed side by side (v3 last: the default)
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 
@@ -120,7 +131,10 @@ def tables(B: int, ctx: int, page: int, device) -> tuple[torch.Tensor, int]:
 
 
 # ------------------------------------------------------------------------------------------ indexer
-def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) -> None:
+def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=VARIANTS) -> None:
+    """Indexer scores + top-k per cache format and decode version (`variant`: v3 decodes NVFP4 keys
+    word-wise to fp16 and autotunes warps / stages; v2 the byte-wise decode, one config). FP8 and bf16
+    keys take the same code in both versions (v3 only tunes their launch). Ratios per version."""
     N, C, page, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
     seq = torch.arange(B, device=device, dtype=torch.int32)
@@ -128,46 +142,45 @@ def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) ->
     lens = pos + 1
     q = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
     shape = f"B={B} ctx={ctx // 1024}K"
+    kw = dict(topk=K, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
     times = {}
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, page), dtype, C, device)
         scale = torch.tensor(0.01, device=device)
-        kw = dict(topk=K, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
-        fn = lambda: index_select_blocks_triton(q, pages, dtype, scale, table, seq, pos, **kw)
-        got = fn()
-        if with_torch and dtype in ("nvfp4", "bf16"):
-            want = index_select_blocks_torch(
-                q, PagedIndex(pages, dtype, scale, C), table, seq, pos, lens, **kw
-            )
-            agree = (got.sort(-1).values == want.sort(-1).values).float().mean().item()
-            t_torch = bench(
-                lambda: index_select_blocks_torch(
-                    q, PagedIndex(pages, dtype, scale, C), table, seq, pos, lens, **kw
-                ),
-                rep_ms=100,
-            )
-            record(
-                "indexer", shape, f"torch {dtype}", t_torch, B * ctx * pages.shape[-1] * pages.element_size()
-            )
-        else:
-            agree = None
-        t_eager = bench(fn)
-        times[dtype] = bench_graph(fn)
         n_bytes = B * ctx * pages.shape[-1] * pages.element_size() + q.nbytes
-        extra = {"agree_with_torch": round(agree, 4)} if agree is not None else {}
-        extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
+        want = t_torch = None
         if with_torch and dtype in ("nvfp4", "bf16"):
-            extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-        record("indexer", shape, f"triton {dtype}", times[dtype], n_bytes, **extra)
-    record(
-        "indexer",
-        shape,
-        "ratio nvfp4 vs fp8",
-        times["nvfp4"],
-        0,
-        speedup=round(times["fp8"] / times["nvfp4"], 2),
-        target=1.7,
-    )
+            index = PagedIndex(pages, dtype, scale, C)
+            want = index_select_blocks_torch(q, index, table, seq, pos, lens, **kw)
+            t_torch = bench(
+                lambda: index_select_blocks_torch(q, index, table, seq, pos, lens, **kw), rep_ms=100
+            )
+            record("indexer", shape, f"torch {dtype}", t_torch, n_bytes)
+        for variant in variants if dtype != "bf16" else variants[-1:]:
+            fn = lambda: index_select_blocks_triton(
+                q, pages, dtype, scale, table, seq, pos, **kw, variant=variant
+            )
+            got = fn()
+            extra = {}
+            if want is not None:
+                extra["agree_with_torch"] = round(
+                    (got.sort(-1).values == want.sort(-1).values).float().mean().item(), 4
+                )
+            t_eager = bench(fn)
+            times[dtype, variant] = bench_graph(fn)
+            extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
+            if t_torch is not None:
+                extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
+            extra["config"] = (
+                str(getattr(_index_scores_tuned, "best_config", None)) if variant == "v3" else "default"
+            )
+            record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
+    for variant in variants:
+        record("indexer", shape, f"ratio nvfp4 vs fp8 {variant}", times["nvfp4", variant], 0,
+               speedup=round(times["fp8", variant] / times["nvfp4", variant], 2), target=1.7)  # fmt: skip
+    if len(variants) == 2:
+        record("indexer", shape, "ratio nvfp4 v3 vs v2", times["nvfp4", "v3"], 0,
+               speedup=round(times["nvfp4", "v2"] / times["nvfp4", "v3"], 2))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -188,7 +201,10 @@ def naive_selected_attention(q, kv: PagedKV, table, pos, sel, scale):
     return torch.einsum("tngkp,tnkpc->tngc", p, v).reshape(T, H, C).to(q.dtype)
 
 
-def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) -> None:
+def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=VARIANTS) -> None:
+    """Sparse attention decode per cache format and version (v3: NVFP4 pages decoded word-wise to fp16
+    e4m3 values, fp16 dots; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the same code in
+    both), each with its own autotune pick. Ratios NVFP4 vs FP8 per version, and v3 vs v2."""
     H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     page, K = cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
@@ -211,51 +227,43 @@ def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool) 
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, 2 * N, page), dtype, C, device)
         kv = PagedKV(pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C)
-        fn = lambda: sparse_attention_triton(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5)
         want = naive_selected_attention(q, kv, table, pos, sel, C**-0.5).float()
-        err = ((fn().float() - want).abs().max() / want.abs().max()).item()
-        t_eager = bench(fn)
-        times[dtype] = bench_graph(
-            lambda: [
-                sparse_attention_triton(q, kv, table, seq, pos, s_, softmax_scale=C**-0.5) for s_ in sels
-            ],
-            reps=R,
-        )
         n_bytes = B * N * K * page * 2 * pages.shape[-1] * pages.element_size() + 2 * q.nbytes
-        cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
-        record("attention", shape, f"triton {dtype}", times[dtype], n_bytes, rel_err_vs_fp32=round(err, 4),
-               config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
+        t_eager = None
+        for variant in variants if dtype != "bf16" else variants[-1:]:
+            fn = lambda: sparse_attention_triton(
+                q, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=variant
+            )
+            err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+            t_eager = bench(fn)
+            times[dtype, variant] = bench_graph(
+                lambda: [
+                    sparse_attention_triton(
+                        q, kv, table, seq, pos, s_, softmax_scale=C**-0.5, variant=variant
+                    )
+                    for s_ in sels
+                ],
+                reps=R,
+            )
+            cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
+            record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
+                   rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
-        record(
-            "attention",
-            shape,
-            f"naive-gather {dtype}",
-            t_naive,
-            n_bytes,
-            speedup_triton_eager=round(t_naive / t_eager, 2),
-        )
+        record("attention", shape, f"naive-gather {dtype}", t_naive, n_bytes,
+               speedup_triton_eager=round(t_naive / t_eager, 2))  # fmt: skip
         if with_torch and dtype == "bf16":
             t_torch = bench(
                 lambda: sparse_attention_torch(q, kv, table, seq, pos, pos + 1, sel, softmax_scale=C**-0.5),
                 rep_ms=100,
             )
-            record(
-                "attention",
-                shape,
-                "torch-path bf16",
-                t_torch,
-                n_bytes,
-                speedup_triton_eager=round(t_torch / t_eager, 2),
-            )
-    record(
-        "attention",
-        shape,
-        "ratio nvfp4 vs fp8",
-        times["nvfp4"],
-        0,
-        speedup=round(times["fp8"] / times["nvfp4"], 2),
-        target=1.5,
-    )
+            record("attention", shape, "torch-path bf16", t_torch, n_bytes,
+                   speedup_triton_eager=round(t_torch / t_eager, 2))  # fmt: skip
+    for variant in variants:
+        record("attention", shape, f"ratio nvfp4 vs fp8 {variant}", times["nvfp4", variant], 0,
+               speedup=round(times["fp8", variant] / times["nvfp4", variant], 2), target=1.5)  # fmt: skip
+    if len(variants) == 2:
+        record("attention", shape, "ratio nvfp4 v3 vs v2", times["nvfp4", "v3"], 0,
+               speedup=round(times["nvfp4", "v2"] / times["nvfp4", "v3"], 2))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ moe
@@ -266,40 +274,50 @@ def random_nvfp4(E: int, n_out: int, n_in: int, device) -> tuple:
 
 
 def run_gemv(device, D: int = 6144, R: int = 8) -> None:
-    """W4A16 GEMV vs torch bf16 F.linear, both graph-timed over R rotated weight copies (NVFP4: R x 21 MB,
-    bf16: R x 75 MB, so no replay reads its weights from L2), plus the eager (host-launched) time."""
+    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel) and v2 (tile kernel for every m),
+    vs torch bf16 F.linear, all graph-timed over R rotated weight copies (NVFP4: R x 21 MB, bf16: R x
+    75 MB, so no replay reads its weights from L2), plus the eager (host-launched) times."""
     ws = [tuple(t[0] for t in random_nvfp4(1, D, D, device)) for _ in range(R)]
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
+    from model.kernels.triton_moe import _w4a16_gemv_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
-        got = nvfp4_linear_triton(x, packed, scales, sc2)
         want = _NVFP4LinearTiled.apply(x, packed, scales, sc2.reshape(()), 256)
-        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        t_eager = bench(lambda: nvfp4_linear_triton(x, packed, scales, sc2))
-        t = bench_graph(lambda: [nvfp4_linear_triton(x, *w) for w in ws], reps=R)
+        shape = f"{D}x{D} m={m}"
         t_bf16 = bench_graph(lambda: [F.linear(x, w) for w in w_bf16s], reps=R)
         t_bf16_eager = bench(lambda: F.linear(x, w_bf16s[0]))
         t_naive = bench(lambda: _NVFP4LinearTiled.apply(x, packed, scales, sc2.reshape(()), 256), rep_ms=100)
-        shape = f"{D}x{D} m={m}"
         record("gemv", shape, "torch bf16", t_bf16, D * D * 2, eager_us=round(t_bf16_eager, 1))
         record("gemv", shape, "naive torch nvfp4", t_naive, D * D * 9 / 16)
-        record(
-            "gemv",
-            shape,
-            "triton w4a16",
-            t,
-            D * D * 9 / 16 + 4 * m * D,
-            rel_err=round(err, 4),
-            config=str(getattr(_nvfp4_moe_tuned, "best_config", None)),
-            eager_us=round(t_eager, 1),
-            speedup_vs_bf16=round(t_bf16 / t, 2),
-            speedup_vs_bf16_eager=round(t_bf16_eager / t_eager, 2),
-            target=3.0,
-            speedup_vs_naive=round(t_naive / t_eager, 1),
-        )
+        times = {}
+        for variant in ("v2", "v3"):
+            got = nvfp4_linear_triton(x, packed, scales, sc2, variant=variant)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            t_eager = bench(lambda: nvfp4_linear_triton(x, packed, scales, sc2, variant=variant))
+            times[variant] = t = bench_graph(
+                lambda: [nvfp4_linear_triton(x, *w, variant=variant) for w in ws], reps=R
+            )
+            is_fma = variant == "v3" and m <= GEMV_MAX_ROWS
+            tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
+            record(
+                "gemv",
+                shape,
+                f"triton w4a16 {variant}",
+                t,
+                D * D * 9 / 16 + 4 * m * D,
+                rel_err=round(err, 4),
+                gemv_kernel="split-K FMA" if is_fma else "tile",
+                config=str(getattr(tuner, "best_config", None)),
+                eager_us=round(t_eager, 1),
+                speedup_vs_bf16=round(t_bf16 / t, 2),
+                speedup_vs_bf16_eager=round(t_bf16_eager / t_eager, 2),
+                target=3.0,
+                speedup_vs_naive=round(t_naive / t_eager, 1),
+            )
+        record("gemv", shape, "ratio v3 vs v2", times["v3"], 0, speedup=round(times["v2"] / times["v3"], 2))
 
 
 def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
@@ -407,6 +425,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="indexer / attention decode versions to time side by side")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json
@@ -429,15 +449,29 @@ def main() -> None:
         for ctx in contexts:
             small = B * ctx <= 64 * 32768
             if "indexer" in only:
-                run_indexer(cfg, B, ctx, device, with_torch=small)
+                run_indexer(cfg, B, ctx, device, with_torch=small, variants=tuple(args.variants))
             if "attention" in only:
-                run_attention(cfg, B, ctx, device, with_torch=small and B == 1)
+                run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=tuple(args.variants))
             torch.cuda.empty_cache()
     if "gemv" in only:
         run_gemv(device, cfg.hidden_size)
     if "moe" in only:
         run_moe_layer(cfg, device)
+    print_ratio_table()
     print(f"total {time.time() - t0:.0f} s")
+
+
+def print_ratio_table() -> None:
+    """The PERFORMANCE.md ratios measured in this run, one line each (target 0: no target, a
+    version-to-version comparison)."""
+    print("\nratios (candidate vs baseline, same run):")
+    print(f"{'kernel':10s} {'shape':28s} {'comparison':34s} {'ratio':>7s} {'target':>7s}")
+    for row in ROWS:
+        ratio = row.get("speedup", row.get("speedup_vs_bf16"))
+        if ratio is None or not (row["variant"].startswith("ratio") or "target" in row):
+            continue
+        label = row["variant"] if row["variant"].startswith("ratio") else f"{row['variant']} vs bf16"
+        print(f"{row['kernel']:10s} {row['shape']:28s} {label:34s} {ratio:7.2f} {row.get('target', 0):7.1f}")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,23 @@ expert LoRA): the Triton NVFP4 grouped GEMMs (`model.kernels.triton_moe_train`) 
 - `bf16 resident`: the same grouped matmuls on weights dequantized once beforehand (3.56x the memory:
   what the NVFP4 kernel would have to beat if memory were free).
 Sparse attention (forward, forward + backward; bf16): the Triton block-sparse kernels
-(`model.kernels.triton_msa_train`) vs FlexAttention with the same block mask (compiled) vs dense causal
-attention (SDPA, flash backend), at 16K+ tokens, top-16 of 128-token blocks. Selections are block-
-coherent (all tokens of a query block pick the same blocks: local + random earlier ones), as a trained
-indexer's tend to be; the fraction of key tiles visited is printed.
+(`model.kernels.triton_msa_train`, every `CONFIGS` entry: v1 = the 2026-11-30 tiles and mask, v2* =
+the candidates) vs FlexAttention with the same block mask (compiled; full blocks skip mask_mod, or
+`--flex-variants nofull` for the 2026-11-30 mask) vs dense causal attention (SDPA), at 16K+ tokens,
+top-16 of 128-token blocks. Two selections: "coherent" (every token of a query block picks the same
+blocks: the 2026-11-30 runs, the best case) and "noisy" (per token, the top-k of a block-level score
+plus `--noise` x per-token noise: neighbours share most blocks, the union over a query tile grows, as
+with a real indexer). Per Triton config: visited / full tile fractions, the plan / forward / dQ /
+dK-dV kernels timed alone, and the forward's TFLOP/s over the tiles it visits (dense: over the causal
+half), so per-tile efficiency compares directly. The summary ends with the faster backend per
+regime, the entries of `model.kernels.sparse_attention.AUTO_TRAIN_BACKEND`.
 
 Correctness is checked before timing (outputs and input grads vs the baseline). Timing: CUDA events,
 median of `--repeats` after warm-up. CPU (`--device cpu --quick`): tiny shapes, the Triton kernels
 under TRITON_INTERPRET=1 - a smoke test of the script, ratios meaningless.
 
     python benchmarks/training_kernels.py --device cuda --json OUT.jsonl
+    python benchmarks/training_kernels.py --device cuda --moe --attn m3-16k --selections noisy --variants v2
     python benchmarks/training_kernels.py --device cpu --quick
 
 No ray / wandb / vllm / datasets imports.
@@ -41,6 +48,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from model.kernels import triton_msa_train as tmsa
+from model.kernels.indexer import select_blocks
 from model.kernels.moe import swigluoai
 from model.kernels.sparse_attention import sparse_attention_train_ref
 from model.kernels.triton_moe_train import moe_nvfp4_train
@@ -215,49 +224,70 @@ def bench_moe(name, device, repeats, rank, emit):
 
 
 # ----------------------------------------------------------------------------------- attention
-def block_coherent_selection(B, N, S, bs, topk, gen, device):
-    """[B, N, S, topk]: each query block selects itself + (topk - 1) random earlier blocks."""
+def make_selection(kind, B, N, S, bs, topk, device, noise=0.1, seed=0):
+    """[B, N, S, topk] selections (-1 padded) and NB. "coherent": every token of a query block picks
+    the same blocks (its own + topk - 1 random earlier ones: the best case for shared tiles).
+    "noisy": per token, as the indexer does, the top-k of block scores = a per-(query block, key
+    block) score + `noise` x per-token N(0, 1) (own block forced): neighbours share most blocks."""
     NB = -(-S // bs)
-    sel_BNQK = torch.full((B, N, NB, topk), -1, dtype=torch.long)
-    for qb in range(NB):
-        cand = torch.randperm(qb, generator=gen)[: topk - 1] if qb else torch.zeros(0, dtype=torch.long)
-        sel_BNQK[:, :, qb, 0] = qb
-        sel_BNQK[:, :, qb, 1 : 1 + cand.numel()] = cand
-    return sel_BNQK.repeat_interleave(bs, dim=2)[:, :, :S].contiguous().to(device), NB
+    gen = torch.Generator(device=device).manual_seed(seed)
+    qb_S = torch.arange(S, device=device) // bs
+    if kind == "coherent":
+        base_BNQB = torch.rand(B, N, NB, NB, generator=gen, device=device)
+        noise = 0.0
+    elif kind == "noisy":
+        base_BNQB = torch.randn(B, N, NB, NB, generator=gen, device=device)
+    else:
+        raise ValueError(f"unknown selection {kind!r}")
+    scores_BNSB = base_BNQB[:, :, qb_S]
+    if noise:
+        scores_BNSB = scores_BNSB + noise * torch.randn(B, N, S, NB, generator=gen, device=device)
+    sel = select_blocks(scores_BNSB, qb_S[None, None, :], topk=topk, local_blocks=1, init_blocks=0)
+    return sel.contiguous(), NB
 
 
-def bench_attention(name, device, repeats, emit, with_flex):
+def selection_stats(sel, plan, NB) -> dict:
+    """Visited / full tile fractions of a plan (visited over the causal tiles) and how many selected
+    blocks a token shares with its predecessor (1.0 = identical selections)."""
+    B, N = sel.shape[:2]
+    bq, tk, nqt, nt = plan["bq"], plan["tk"], plan["nqt"], plan["nt"]
+    causal = sum(min(nt, (qt * bq + bq - 1) // tk + 1) for qt in range(nqt))
+    visited = plan["counts"].sum().item()
+    keep = plan["keep"][..., :NB].bool()
+    shared = (keep[:, :, 1:] & keep[:, :, :-1]).sum(-1).float() / keep[:, :, 1:].sum(-1).clamp(min=1)
+    return {
+        "tile_density": visited / (B * N * causal),
+        "full_fraction": plan["n_full"].item() / max(visited, 1),
+        "neighbour_overlap": shared.mean().item(),
+    }
+
+
+def bench_attention(name, device, repeats, emit, selection, variants, flex_variants, noise):
     B, S, H, N, C, bs, topk = ATTN_SHAPES[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gen = torch.Generator().manual_seed(0)
     q = torch.randn(B, S, H, C, device=device).to(dtype)
     k = torch.randn(B, S, N, C, device=device).to(dtype)
     v = torch.randn(B, S, N, C, device=device).to(dtype)
     go = torch.randn(B, S, H, C, device=device).to(dtype)
-    sel, NB = block_coherent_selection(B, N, S, bs, topk, gen, device)
+    sel, NB = make_selection(selection, B, N, S, bs, topk, device, noise)
     seq = torch.zeros(B, S, dtype=torch.long, device=device)
     pos = torch.arange(S, device=device).expand(B, S).contiguous()
-    kw = dict(block_size=bs, num_blocks=NB, softmax_scale=C**-0.5)
-    plan = plan_tiles(sel, seq, pos, block_size=bs, num_blocks=NB, bq=max(1, 64 // (H // N)), tk=min(bs, 64))
-    visited = plan["counts"].float().sum().item()
-    causal_tiles = sum(
-        min(plan["nt"], (qt * plan["bq"] + plan["bq"] - 1) // plan["tk"] + 1) for qt in range(plan["nqt"])
-    )
-    density = visited / (B * N * causal_tiles)
+    scale = C**-0.5
+    kw = dict(block_size=bs, num_blocks=NB, softmax_scale=scale)
+    if device.type != "cuda":  # the interpreter: one small-tile config (GPU tiles would take minutes)
+        variants = ["interp"]
+    cfgs = {n: tmsa.INTERPRETER_CONFIG if n == "interp" else tmsa.CONFIGS[n] for n in variants}
 
     def fns(kind):
-        if kind == "triton":
-            return lambda a, b, c: msa_train_triton(a, b, c, sel, seq, pos, **kw)
-        if kind == "flex":
-            return lambda a, b, c: msa_train_flex(a, b, c, sel, seq, pos, **kw)
+        if kind in cfgs:
+            return lambda a, b, c: msa_train_triton(a, b, c, sel, seq, pos, **kw, config=cfgs[kind])
+        if kind.startswith("flex"):
+            full = kind == "flex"
+            return lambda a, b, c: msa_train_flex(a, b, c, sel, seq, pos, **kw, use_full_blocks=full)
         return lambda a, b, c: F.scaled_dot_product_attention(
-            a.transpose(1, 2),
-            b.transpose(1, 2),
-            c.transpose(1, 2),
-            is_causal=True,
-            scale=C**-0.5,
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=True,
-        ).transpose(1, 2)
+        ).transpose(1, 2)  # fmt: skip
 
     def fwd(kind):
         with torch.no_grad():
@@ -269,52 +299,105 @@ def bench_attention(name, device, repeats, emit, with_flex):
         out.backward(go)
         return out, qi.grad, ki.grad, vi.grad
 
-    kinds = ["triton", "dense"] + (["flex"] if with_flex else [])
-    if S <= 4096:  # the dense reference fits: check the kernels against it
+    flexes = [f"flex{'' if f == 'full' else '-' + f}" for f in flex_variants] if device.type == "cuda" else []
+    if S <= 4096:  # the dense reference fits: check every kernel against it
         qi, ki, vi = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = sparse_attention_train_ref(qi, ki, vi, sel, seq, pos, **kw)
         ref.backward(go.float())
-        want = (ref, qi.grad, ki.grad, vi.grad)
-    else:  # the dense reference is O(S^2) memory: long shapes compare Triton with flex instead
-        want = None
-    got = fwd_bwd("triton")
-    if want is not None:
-        log(
-            f"attn {name}: triton rel err vs reference out/dq/dk/dv = "
-            f"{', '.join(f'{rel_err(a, b):.4f}' for a, b in zip(got, want))}"
-        )
-    if with_flex and device.type == "cuda":
-        flex = fwd_bwd("flex")
-        log(
-            f"attn {name}: triton vs flex rel err out/dq/dk/dv = "
-            f"{', '.join(f'{rel_err(a, b):.4f}' for a, b in zip(got, flex))}"
-        )
-    times = {}
-    for kind in kinds:
-        times[f"{kind}_fwd_ms"] = timeit(lambda kind=kind: fwd(kind), device, repeats) * 1e3
-        if kind != "flex" or device.type == "cuda":  # FlexAttention has no CPU backward
-            times[f"{kind}_fwdbwd_ms"] = timeit(lambda kind=kind: fwd_bwd(kind), device, repeats) * 1e3
-    row = {
-        "bench": "msa_train",
-        "shape": name,
-        "B": B,
-        "S": S,
-        "H": H,
-        "N": N,
-        "C": C,
-        "block": bs,
-        "topk": topk,
-        "tile_density": density,
-        **times,
-        "fwd_speedup_vs_dense": times["dense_fwd_ms"] / times["triton_fwd_ms"],
-        "fwdbwd_speedup_vs_dense": times["dense_fwdbwd_ms"] / times["triton_fwdbwd_ms"],
-    }
-    if "flex_fwdbwd_ms" in times:
-        row["triton_vs_flex_fwdbwd"] = times["flex_fwdbwd_ms"] / times["triton_fwdbwd_ms"]
-    if "flex_fwd_ms" in times:
-        row["triton_vs_flex_fwd"] = times["flex_fwd_ms"] / times["triton_fwd_ms"]
+        want, against = (ref, qi.grad, ki.grad, vi.grad), "reference"
+    else:  # the dense reference is O(S^2) memory: compare with flex (else the first variant)
+        against = flexes[0] if flexes else variants[0]
+        want = fwd_bwd(against)
+    errs = {}
+    for kind in [*cfgs, *flexes]:
+        if kind != against:
+            errs[kind] = [rel_err(a, b) for a, b in zip(fwd_bwd(kind), want)]
+            log(f"attn {name} {selection}: {kind} rel err vs {against} out/dq/dk/dv = "
+                f"{', '.join(f'{e:.4f}' for e in errs[kind])}")  # fmt: skip
+    row = {"bench": "msa_train", "shape": name, "selection": selection,
+           "noise": noise if selection == "noisy" else 0.0, "B": B, "S": S, "H": H, "N": N, "C": C,
+           "block": bs, "topk": topk, "rel_err": errs, "rel_err_vs": against}  # fmt: skip
+    dense_flops = 4 * C * H * B * S * (S + 1) / 2  # causal QK^T and PV, forward
+    for kind in ["dense", *flexes, *cfgs]:
+        row[f"{kind}_fwd_ms"] = timeit(lambda kind=kind: fwd(kind), device, repeats) * 1e3
+        row[f"{kind}_fwdbwd_ms"] = timeit(lambda kind=kind: fwd_bwd(kind), device, repeats) * 1e3
+    row["dense_fwd_tflops"] = dense_flops / row["dense_fwd_ms"] / 1e9
+    for kind, cfg in cfgs.items():
+        row.update({f"{kind}_{part}": x for part, x in kernel_split(q, k, v, go, sel, seq, pos, kw, cfg,
+                                                                      device, repeats).items()})  # fmt: skip
+    best = min(cfgs, key=lambda c: row[f"{c}_fwdbwd_ms"])
+    row["best_triton"] = best
+    for mode in ("fwd", "fwdbwd"):
+        row[f"{mode}_speedup_vs_dense"] = row[f"dense_{mode}_ms"] / row[f"{best}_{mode}_ms"]
+        if flexes:
+            row[f"triton_vs_flex_{mode}"] = row[f"{flexes[0]}_{mode}_ms"] / row[f"{best}_{mode}_ms"]
     emit(row)
     return row
+
+
+def kernel_split(q, k, v, go, sel, seq, pos, kw, cfg, device, repeats) -> dict:
+    """One Triton config's plan / forward / dQ / dK-dV kernels timed alone (inputs as in the
+    backward), the plan's tile statistics and the forward's throughput on the tiles it visits."""
+    G, C, bs, NB = q.shape[2] // k.shape[2], q.shape[3], kw["block_size"], kw["num_blocks"]
+    scale = kw["softmax_scale"]
+    sizes = tmsa.tile_sizes(cfg, G, bs)
+    bq, tk = sizes["bq"], sizes["tk"]
+    plan = plan_tiles(sel, seq, pos, block_size=bs, num_blocks=NB, **sizes)
+    out, lse = tmsa.msa_fwd(q, k, v, plan, scale, cfg)
+    _, delta = tmsa.msa_bwd_dq(q, k, v, out, go, lse, plan, scale, cfg)
+    parts = {
+        "plan": lambda: plan_tiles(sel, seq, pos, block_size=bs, num_blocks=NB, **sizes),
+        "fwd": lambda: tmsa.msa_fwd(q, k, v, plan, scale, cfg),
+        "dq": lambda: tmsa.msa_bwd_dq(q, k, v, out, go, lse, plan, scale, cfg),
+        "dkv": lambda: tmsa.msa_bwd_dkv(q, k, v, go, lse, delta, plan, scale, cfg),
+    }
+    res = {f"kernel_{part}_ms": timeit(fn, device, repeats) * 1e3 for part, fn in parts.items()}
+    tile_flops = 4 * C * plan["counts"].sum().item() * bq * G * tk  # QK^T and PV over visited tiles
+    return {
+        **res,
+        "fwd_tile_tflops": tile_flops / res["kernel_fwd_ms"] / 1e9,
+        **selection_stats(sel, plan, NB),
+    }
+
+
+def attention_tables(rows) -> None:
+    """Per (shape, selection): one line per backend; then the measured-faster backend per regime."""
+    rows = [r for r in rows if r["bench"] == "msa_train"]
+    if not rows:
+        return
+    log("\n| attention | selection | backend | tiles visited / full | fwd ms | fwd+bwd ms "
+        "| plan / fwd / dq / dkv ms | fwd TFLOP/s (tiles) | vs dense fwd / fwd+bwd |")  # fmt: skip
+    log("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        kinds = [
+            "dense",
+            *sorted({k[: -len("_fwdbwd_ms")] for k in r if k.endswith("_fwdbwd_ms")} - {"dense"}),
+        ]
+        for kind in kinds:
+            dens = (f"{r[kind + '_tile_density']:.1%} / {r[kind + '_full_fraction']:.0%}"
+                    if kind + "_tile_density" in r else "")  # fmt: skip
+            split = (" / ".join(f"{r[f'{kind}_kernel_{p}_ms']:.2f}" for p in ("plan", "fwd", "dq", "dkv"))
+                     if f"{kind}_kernel_plan_ms" in r else "")  # fmt: skip
+            tfl = r.get(f"{kind}_fwd_tile_tflops", r["dense_fwd_tflops"] if kind == "dense" else None)
+            fwd, fwdbwd = r[kind + "_fwd_ms"], r[kind + "_fwdbwd_ms"]
+            ratio = f"{r['dense_fwd_ms'] / fwd:.2f}x / {r['dense_fwdbwd_ms'] / fwdbwd:.2f}x"
+            log(f"| {r['shape']} | {r['selection']} | {kind} | {dens} | {fwd:.2f} | {fwdbwd:.2f} | {split} "
+                f"| {'' if tfl is None else f'{tfl:.0f}'} | {ratio} |")  # fmt: skip
+    # The dispatch's AUTO_TRAIN_BACKEND: per (needs grad, G >= 16), summed over the measured shapes.
+    log("\nmeasured-faster backend per regime (AUTO_TRAIN_BACKEND; Triton = its best config per shape):")
+    for big_group in (False, True):
+        sub = [r for r in rows if (r["H"] // r["N"] >= 16) == big_group]
+        for mode, grad in (("fwd", False), ("fwdbwd", True)):
+            if not sub:
+                continue
+            tri = sum(min(r[f"{c}_{mode}_ms"] for c in _triton_kinds(r)) for r in sub)
+            flex = sum(r.get(f"flex_{mode}_ms", float("inf")) for r in sub)
+            log(f"  ({grad}, {big_group}): {'flex' if flex < tri else 'triton'}  (triton {tri:.2f} ms, "
+                f"flex {flex:.2f} ms over {len(sub)} runs)")  # fmt: skip
+
+
+def _triton_kinds(row) -> list[str]:
+    return [k[: -len("_kernel_plan_ms")] for k in row if k.endswith("_kernel_plan_ms")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn", nargs="*", default=None, help=f"attention shapes {list(ATTN_SHAPES)}")
     p.add_argument("--ranks", type=int, nargs="+", default=[0, 32], help="expert LoRA ranks (0 = none)")
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument(
+        "--selections", nargs="+", default=["coherent", "noisy"], help="attention block selections"
+    )
+    p.add_argument("--noise", type=float, default=0.1, help="per-token score noise of the noisy selection")
+    p.add_argument("--variants", nargs="+", default=list(tmsa.CONFIGS), help="Triton MSA configs to time")
+    p.add_argument("--flex-variants", nargs="+", default=["full"],
+                   help="flex BlockMasks: full blocks skip mask_mod, or nofull (2026-11-30)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None, help="append one JSON line per result here")
     args = p.parse_args(argv)
@@ -353,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.ranks:
             bench_moe(name, device, args.repeats, r, emit)
     for name in attn:
-        bench_attention(name, device, args.repeats, emit, not args.no_flex)
+        for selection in args.selections:
+            flex = [] if args.no_flex else args.flex_variants
+            bench_attention(name, device, args.repeats, emit, selection, args.variants, flex, args.noise)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "a") as f:
@@ -369,21 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['bf16 resident_ms']:.2f} | {r['speedup_vs_dequant_bf16']:.2f}x | "
             f"{r['speedup_vs_bf16_resident']:.2f}x |"
         )
-    log(
-        "\n| attention | S | tiles visited | Triton fwd / fwd+bwd ms | dense fwd / fwd+bwd ms "
-        "| flex fwd / fwd+bwd ms | "
-        "sparse vs dense fwd+bwd | Triton vs flex fwd+bwd |"
-    )
-    log("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in (r for r in rows if r["bench"] == "msa_train"):
-        fl = f"{r.get('flex_fwd_ms', float('nan')):.2f} / {r.get('flex_fwdbwd_ms', float('nan')):.2f}"
-        log(
-            f"| {r['shape']} | {r['S']} | {r['tile_density']:.1%} | "
-            f"{r['triton_fwd_ms']:.2f} / {r['triton_fwdbwd_ms']:.2f} | "
-            f"{r['dense_fwd_ms']:.2f} / {r['dense_fwdbwd_ms']:.2f} | {fl} | "
-            f"{r['fwdbwd_speedup_vs_dense']:.2f}x | "
-            f"{r.get('triton_vs_flex_fwdbwd', float('nan')):.2f}x |"
-        )
+    attention_tables(rows)
     return 0
 
 

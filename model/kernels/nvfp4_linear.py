@@ -4,7 +4,10 @@ Why: the frozen base weights (routed experts above all) stay in NVFP4 in memory,
 bytes the rollout engine serves; the learner must run forward and backward through them without
 ever materialising the full-precision matrix (for M3 one expert matrix is 3072 x 6144).
 
-How (reference path, runs everywhere): the weight is dequantized one tile of TILE_N output rows
+How (CUDA inference, bf16 rows <= TRITON_MAX_ROWS, no grad): the Triton W4A16 GEMV of
+`model.kernels.triton_moe` (one launch; fp32 products with the unrounded weights at <= 4 rows, the
+bf16 weights below otherwise: equal to the reference up to bf16 rounding).
+How (reference path, runs everywhere else): the weight is dequantized one tile of TILE_N output rows
 at a time (fp32 dequant by `model.nvfp4.dequantize`, the one format definition, then cast to x's
 dtype), multiplied, and dropped before the next tile; the backward recomputes the same tiles.
 `nvfp4_linear_ref` is the spec: dequantize all of W, one matmul.
@@ -26,10 +29,17 @@ import torch.nn.functional as F
 
 from model.nvfp4 import NVFP4Tensor, dequantize
 
+try:  # Triton is optional on CPU machines
+    from model.kernels.triton_moe import nvfp4_linear_triton
+except ImportError:  # pragma: no cover - depends on the install
+    nvfp4_linear_triton = None
+
 NVFP4_BLOCK = 16
 """Values per E4M3 block scale, along K."""
 TILE_N = 256
 """Output rows dequantized at once: 256 x 6144 fp32 = 6 MiB for M3, small beside activations."""
+TRITON_MAX_ROWS = 16
+"""Up to this many rows (decode GEMVs) run the Triton W4A16 kernels on CUDA when no grad is wanted."""
 
 
 def _dequant_rows(
@@ -120,6 +130,19 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, sca
         raise ValueError(f"nvfp4_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def _use_triton_gemv(x_2d: torch.Tensor) -> bool:
+    """Decode-sized inference on CUDA takes the Triton W4A16 kernels (one launch, weights decoded in
+    registers): bf16 rows <= TRITON_MAX_ROWS, no gradient wanted. Everything else stays tiled torch."""
+    return (
+        nvfp4_linear_triton is not None
+        and x_2d.is_cuda
+        and x_2d.dtype == torch.bfloat16
+        and 0 < x_2d.shape[0] <= TRITON_MAX_ROWS
+        and x_2d.stride(-1) == 1
+        and not (torch.is_grad_enabled() and x_2d.requires_grad)
+    )
+
+
 def nvfp4_linear(
     x_TK: torch.Tensor,
     packed_NK2: torch.Tensor,
@@ -135,8 +158,8 @@ def nvfp4_linear(
         raise ValueError(f"nvfp4_linear: tile_n must be >= 1, got {tile_n}")
     lead = x_TK.shape[:-1]
     x_2d = x_TK.reshape(-1, x_TK.shape[-1])
-    # Triton W4A16 kernel (later issue) plugs in here, e.g. `if x_2d.is_cuda: y = _nvfp4_linear_triton(...)`:
-    # it dequantizes a [BLOCK_N, BLOCK_K] tile in registers (E2M1 -> E4M3 bit trick, FACTS 6) and feeds
-    # tl.dot; the autograd wrapper stays the same, with a transposed-tile kernel for the backward.
-    y_TN = _NVFP4LinearTiled.apply(x_2d, packed_NK2, scales_NK16, scale_2.reshape(()), tile_n)
+    if _use_triton_gemv(x_2d):
+        y_TN = nvfp4_linear_triton(x_2d, packed_NK2, scales_NK16, scale_2)
+    else:
+        y_TN = _NVFP4LinearTiled.apply(x_2d, packed_NK2, scales_NK16, scale_2.reshape(()), tile_n)
     return y_TN.reshape(*lead, packed_NK2.shape[0]).to(out_dtype or x_TK.dtype)

@@ -20,14 +20,27 @@ differs from this module's fp32 numerics by FP8 rounding (see that module).
 Training (full sequences, no cache): `sparse_attention_train_ref` is the spec of the learner's MSA
 attention over [B, S] rows (padding / packed sequences through `seq_ids`, selection per (row, KV
 group, token) from the indexer); `sparse_attention_train` dispatches it: the Triton forward/backward
-of `model.kernels.triton_msa_train` on CUDA (or under TRITON_INTERPRET=1), its FlexAttention twin
-on request (`backend="flex"`), the dense-mask reference elsewhere. An optional KV simulation
-rounds K/V as the cache would store them, straight-through (identity gradient).
+of `model.kernels.triton_msa_train` or its FlexAttention twin on CUDA (the Triton kernels under
+TRITON_INTERPRET=1 too), the dense-mask reference elsewhere. An optional KV simulation rounds K/V as
+the cache would store them, straight-through (identity gradient).
+
+Backend choice (issue 10: "keep whichever is faster, measured"): `backend=` wins, else the
+environment variable MSA_TRAIN_BACKEND (auto | triton | flex | torch), else "auto": on CUDA
+`AUTO_TRAIN_BACKEND[(needs grad, G >= 16)]`, a table of the faster kernel per regime as measured
+side by side by `benchmarks/training_kernels.py --attn` (B = 1, 16K-32K tokens, top-16 of 128-token
+blocks). From the H200 run of session 3 (RESULTS.md, Triton v2 vs flex with full blocks): forward only,
+Triton is faster at every shape (4.96 vs 6.96 ms at M3 16K, 8.06 vs 12.48 at 32K, 2.71 vs 3.84 at
+G = 2); forward + backward at G = 16 flex is 2-7% faster (16.62 vs 16.92 ms at 16K, 28.94 vs 30.97 at
+32K) but is compiled per sequence length (dynamic=False), and a learner's packed lengths vary: each
+new length recompiles, and past torch's recompile limit flex falls back to an eager path that builds
+the full score matrix (out of memory at 16K). Within 7%, auto keeps Triton everywhere;
+MSA_TRAIN_BACKEND=flex opts in for fixed-length batches. Update the table from each new run.
 
 Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
 width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
 """
 
+import os
 from typing import Literal
 
 import torch
@@ -51,6 +64,14 @@ from model.kv_cache import (
 )
 
 TrainBackend = Literal["auto", "triton", "flex", "torch"]
+TRAIN_BACKENDS = ("auto", "triton", "flex", "torch")
+# (needs grad, G >= 16) -> the measured-faster kernel on CUDA (module docstring: which run).
+AUTO_TRAIN_BACKEND: dict[tuple[bool, bool], TrainBackend] = {
+    (False, False): "triton",
+    (False, True): "triton",
+    (True, False): "triton",
+    (True, True): "triton",  # flex measured 2-7% faster, but recompiles per length (docstring)
+}
 
 
 def sparse_attention_ref(
@@ -234,6 +255,24 @@ def sparse_attention_train_supported(q_BSHC: torch.Tensor, k_BSNC: torch.Tensor,
     )
 
 
+def resolve_train_backend(
+    backend: TrainBackend, q_BSHC: torch.Tensor, k_BSNC: torch.Tensor, block_size: int, needs_grad: bool
+) -> TrainBackend:
+    """The backend `sparse_attention_train` runs: `backend` unless "auto", then MSA_TRAIN_BACKEND, then
+    the measured table (CUDA) / Triton (interpreter) / the reference (module docstring)."""
+    if backend == "auto":
+        backend = os.environ.get("MSA_TRAIN_BACKEND", "auto")
+        if backend not in TRAIN_BACKENDS:
+            raise ValueError(f"MSA_TRAIN_BACKEND must be one of {TRAIN_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if not sparse_attention_train_supported(q_BSHC, k_BSNC, block_size):
+        return "torch"
+    if not q_BSHC.is_cuda:  # the interpreter: FlexAttention has no CPU backward
+        return "triton"
+    return AUTO_TRAIN_BACKEND[(needs_grad, q_BSHC.shape[2] // k_BSNC.shape[2] >= 16)]
+
+
 def sparse_attention_train(
     q_BSHC: torch.Tensor,
     k_BSNC: torch.Tensor,
@@ -256,8 +295,8 @@ def sparse_attention_train(
     blocks per (row, KV group, token), -1 padded (no gradient); seq_ids_BS: sequence id per token
     (-1 padding); positions_BS: positions restarting at 0 per packed sequence; num_blocks: an upper
     bound on positions // block_size + 1. kv_sim_dtype: round K/V as a cache of that dtype would
-    (with k_scale / v_scale), straight-through. backend "auto": Triton where supported, else the
-    dense reference.
+    (with k_scale / v_scale), straight-through. backend: see `resolve_train_backend` ("auto": the
+    measured-faster kernel here, else the dense reference).
     """
     if q_BSHC.ndim != 4 or k_BSNC.ndim != 4 or k_BSNC.shape != v_BSNC.shape:
         raise ValueError(f"q must be [B, S, H, C] and k, v [B, S, N, C] alike, got {tuple(q_BSHC.shape)}, "
@@ -278,8 +317,8 @@ def sparse_attention_train(
     if tuple(seq_ids_BS.shape) != (B, S) or tuple(positions_BS.shape) != (B, S):
         raise ValueError(f"seq_ids_BS and positions_BS must be [B={B}, S={S}], got "
                          f"{tuple(seq_ids_BS.shape)}, {tuple(positions_BS.shape)}")  # fmt: skip
-    if backend not in ("auto", "triton", "flex", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton', 'flex' or 'torch', got {backend!r}")
+    if backend not in TRAIN_BACKENDS:
+        raise ValueError(f"backend must be one of {TRAIN_BACKENDS}, got {backend!r}")
     if kv_sim_dtype is not None:
         if k_scale is None or v_scale is None:
             raise ValueError("kv_sim_dtype needs k_scale and v_scale (the cache's dequant scales)")
@@ -287,13 +326,15 @@ def sparse_attention_train(
         v_BSNC = v_BSNC + (kv_quant_dequant(v_BSNC.detach(), kv_sim_dtype, v_scale) - v_BSNC).detach()
     args = (q_BSHC, k_BSNC, v_BSNC, selected_BNSK, seq_ids_BS, positions_BS)
     kw = dict(block_size=block_size, num_blocks=num_blocks, softmax_scale=softmax_scale)
-    if backend == "auto":
-        backend = "triton" if sparse_attention_train_supported(q_BSHC, k_BSNC, block_size) else "torch"
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BSHC, k_BSNC, v_BSNC))
+    backend = resolve_train_backend(backend, q_BSHC, k_BSNC, block_size, needs_grad)
     if backend == "triton":
         if triton_available is None or not triton_msa_train_supported(q_BSHC, k_BSNC, block_size):
             raise ValueError(f"backend='triton' does not support q {q_BSHC.dtype} {tuple(q_BSHC.shape)}, "
                              f"block_size {block_size} here (see triton_msa_train_supported)")  # fmt: skip
         return msa_train_triton(*args, **kw)
     if backend == "flex":
+        if triton_available is None:
+            raise ValueError("backend='flex' needs torch's FlexAttention (and Triton to build its inputs)")
         return msa_train_flex(*args, **kw)
     return sparse_attention_train_ref(*args, **kw)

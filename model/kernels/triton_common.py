@@ -15,6 +15,12 @@ hardware ones on the GPU (gpu-marked test).
 
 E2M1 -> float without tables (FACTS 6): the byte ((q & 0x8) << 4) | ((q & 0x7) << 2) read as
 float8_e4m3fn is e2m1(q) * 2^-6 for all 16 codes; callers fold the 2^6 into their block scale.
+
+v3 decode (`load_nvfp4_tile_f16`, used by the indexer and attention kernels' `variant="v3"`): the
+same identity applied to four nibbles per 32-bit operation inside one inline-PTX block per 16-value
+scale block, then packed e4m3x2 -> f16x2 converts and f16x2 scale multiplies; elementwise asm
+(pack = 1) plus a tl.join tree, so correctness does not depend on Triton's register layouts. The
+interpreter runs a plain-Triton twin giving the same values (tests compare both with `model.nvfp4`).
 """
 
 import os
@@ -137,4 +143,190 @@ def nvfp4_tile_to_fp8(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, HW:
     """NVFP4 rows -> float8e4nv [ROWS, C] = e4m3_rne(clamp(e2m1 * block_scale, +-448)): bit for bit
     `nvfp4.kv_dequantize_fp8` (the real value is this times the global scale)."""
     prod = load_nvfp4_tile(row_ptrs, is_row, C, ROWS)
-    return f32_to_e4m3(tl.minimum(tl.maximum(prod, -448.0), 448.0), HW)
+    if not HW:  # the software cast needs the clamp; sm_90's cvt.rn.satfinite saturates to +-448 itself
+        prod = tl.minimum(tl.maximum(prod, -448.0), 448.0)
+    return f32_to_e4m3(prod, HW)
+
+
+@triton.jit
+def e2m1_nibble_f32_x2p126(w, NIB: tl.constexpr):
+    """Nibble NIB (0..7) of int32 words w -> fp32 e2m1 * 2^-126, exactly, in three integer ops.
+
+    The nibble is shifted to the top of the word (its sign bit at bit 31); an arithmetic shift right
+    by 6 then puts its magnitude bits at fp32 bits 22-24 (mantissa msb + the two low exponent bits)
+    and copies the sign over bits 25-31, of which the mask 0x81C00000 keeps bit 31. Read as fp32 the
+    magnitude codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2^-126 (code 1 is the subnormal 2^-127).
+    Callers scale the other operand by 2^100 so products stay normal, and fold 2^26 into their
+    result scale. Subnormal inputs are full speed in FFMA and kept by it (no .ftz in Triton's PTX)."""
+    if NIB < 7:
+        t = w << (28 - 4 * NIB)
+    else:
+        t = w
+    return ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # -2118123520 = 0x81C00000 as int32
+
+
+# ---------------------------------------------------------------------- v3: word-wise NVFP4 -> fp16
+# One 16-value block (two int32 code words + its e4m3 scale byte) -> 16 fp16 values e2m1 * s (exact:
+# at most 6 significant bits, in [2^-10, 2688], all normal fp16), or e4m3_rne(clamp(e2m1 * s, +-448))
+# with ROUND (the FP8 attention path: bit for bit `nvfp4.kv_dequantize_fp8`). On the GPU this is one
+# inline-PTX block per scale block, SIMD within 32-bit registers, per code word w:
+#   e4m3 bytes of elements 0, 2, 4, 6:  ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
+#   e4m3 bytes of elements 1, 3, 5, 7:  ( w       & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
+# (FACTS 6: those bytes are e2m1 * 2^-6), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
+# then cvt.rn.f16x2.e4m3x2 and one mul.rn.f16x2 by (64 s, 64 s) per pair of adjacent elements:
+# ~2 instructions per value where the byte-wise decode takes ~13 (compile report). The asm is
+# elementwise (pack = 1) over [rows, blocks] tensors, so its result does not depend on Triton's
+# register layout. Output i holds element bitreverse4(i) of the block: a balanced tl.join tree over
+# outputs 0..15 and a reshape put leaf i at position bitreverse4(i), so the tile comes out in natural
+# element order with no data movement, and each f16x2 register the asm wrote (elements 2k, 2k + 1:
+# leaves bitreverse4(2k) and that + 8, joined last) stays one register.
+
+
+def _bitrev4(i: int) -> int:
+    return int(f"{i:04b}"[::-1], 2)
+
+
+def _nvfp4_block_asm(is_round: bool) -> str:
+    lines = [
+        "{",
+        ".reg .b32 t, u, s2, c64, e<4>, p<4>, f<8>;",
+        ".reg .b16 sb, sh, x<8>, y<8>;",
+        "prmt.b32 t, $18, $18, 0;",  # the scale byte in every byte
+        "mov.b32 {sb, sh}, t;",
+        "cvt.rn.f16x2.e4m3x2 s2, sb;",  # (s, s)
+        "mov.b32 c64, 0x54005400;",  # (64.0, 64.0) in fp16: e4m3 bytes are e2m1 * 2^-6
+        "mul.rn.f16x2 s2, s2, c64;",
+    ]
+    for wi, w in enumerate(("$16", "$17")):
+        ev, od = f"e{2 * wi}", f"e{2 * wi + 1}"
+        lines += [
+            f"shl.b32 t, {w}, 4;",
+            "and.b32 t, t, 0x80808080;",
+            f"shl.b32 u, {w}, 2;",
+            "and.b32 u, u, 0x1C1C1C1C;",
+            f"or.b32 {ev}, t, u;",  # bytes: elements 0, 2, 4, 6 of the word
+            f"and.b32 t, {w}, 0x80808080;",
+            f"shr.b32 u, {w}, 2;",
+            "and.b32 u, u, 0x1C1C1C1C;",
+            f"or.b32 {od}, t, u;",  # bytes: elements 1, 3, 5, 7
+            f"prmt.b32 p{2 * wi}, {ev}, {od}, 0x5140;",  # elements 0 1 2 3
+            f"prmt.b32 p{2 * wi + 1}, {ev}, {od}, 0x7362;",  # elements 4 5 6 7
+            f"mov.b32 {{x{4 * wi}, x{4 * wi + 1}}}, p{2 * wi};",
+            f"mov.b32 {{x{4 * wi + 2}, x{4 * wi + 3}}}, p{2 * wi + 1};",
+        ]
+    for k in range(8):  # f<k> = elements (2k, 2k + 1) of the block
+        lines.append(f"cvt.rn.f16x2.e4m3x2 f{k}, x{k};")
+        lines.append(f"mul.rn.f16x2 f{k}, f{k}, s2;")
+        if is_round:  # e4m3 RNE of the exact product (satfinite: +-448, as the reference clamps)
+            lines.append(f"cvt.rn.satfinite.e4m3x2.f16x2 y{k}, f{k};")
+            lines.append(f"cvt.rn.f16x2.e4m3x2 f{k}, y{k};")
+        lines.append(f"mov.b32 {{${_bitrev4(2 * k)}, ${_bitrev4(2 * k + 1)}}}, f{k};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ASM_BLOCK = tl.constexpr(_nvfp4_block_asm(False))
+_ASM_BLOCK_ROUND = tl.constexpr(_nvfp4_block_asm(True))
+_ASM_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 16 + ["r", "r", "r"]))
+
+
+@triton.jit
+def _element_f16(w0, w1, LEAF: tl.constexpr, s_x64, ROUND: tl.constexpr):
+    """Interpreter twin of asm output LEAF: element bitreverse4(LEAF) of the block -> fp16, same value."""
+    E: tl.constexpr = ((LEAF & 1) << 3) | ((LEAF & 2) << 1) | ((LEAF & 4) >> 1) | ((LEAF & 8) >> 3)
+    if E < 8:
+        w = w0
+    else:
+        w = w1
+    val = e2m1_to_f32_x64((w >> (4 * (E % 8))) & 0xF) * s_x64
+    if ROUND:
+        val = f32_to_e4m3(tl.minimum(tl.maximum(val, -448.0), 448.0), False).to(tl.float32)
+    return val.to(tl.float16)
+
+
+@triton.jit
+def nvfp4_block_f16(w0, w1, s_bits, ROUND: tl.constexpr, HW: tl.constexpr):
+    """Code words w0, w1 (int32: elements 0-7 / 8-15 of a block) and scale bytes s_bits (int32, 0..255)
+    of one shape -> 16 fp16 tensors; tensor i holds element bitreverse4(i) of each block."""
+    if HW:
+        if ROUND:
+            out = tl.inline_asm_elementwise(_ASM_BLOCK_ROUND, _ASM_CONSTRAINTS, [w0, w1, s_bits],
+                                            dtype=(tl.float16,) * 16, is_pure=True, pack=1)  # fmt: skip
+        else:
+            out = tl.inline_asm_elementwise(_ASM_BLOCK, _ASM_CONSTRAINTS, [w0, w1, s_bits],
+                                            dtype=(tl.float16,) * 16, is_pure=True, pack=1)  # fmt: skip
+    else:
+        s = s_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * E2M1_FP8_SHIFT
+        out = (
+            _element_f16(w0, w1, 0, s, ROUND), _element_f16(w0, w1, 1, s, ROUND),
+            _element_f16(w0, w1, 2, s, ROUND), _element_f16(w0, w1, 3, s, ROUND),
+            _element_f16(w0, w1, 4, s, ROUND), _element_f16(w0, w1, 5, s, ROUND),
+            _element_f16(w0, w1, 6, s, ROUND), _element_f16(w0, w1, 7, s, ROUND),
+            _element_f16(w0, w1, 8, s, ROUND), _element_f16(w0, w1, 9, s, ROUND),
+            _element_f16(w0, w1, 10, s, ROUND), _element_f16(w0, w1, 11, s, ROUND),
+            _element_f16(w0, w1, 12, s, ROUND), _element_f16(w0, w1, 13, s, ROUND),
+            _element_f16(w0, w1, 14, s, ROUND), _element_f16(w0, w1, 15, s, ROUND),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _join_tree16(o):
+    """Balanced join of 16 same-shape tensors -> [..., 2, 2, 2, 2]; leaf i lands at flat index
+    bitreverse4(i) of the trailing 16 (join appends the new, fastest dim)."""
+    a = tl.join(
+        tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])), tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7]))
+    )
+    b = tl.join(
+        tl.join(tl.join(o[8], o[9]), tl.join(o[10], o[11])),
+        tl.join(tl.join(o[12], o[13]), tl.join(o[14], o[15])),
+    )
+    return tl.join(a, b)
+
+
+@triton.jit
+def load_nvfp4_tile_f16(base_ptr, row_off, is_row, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
+                        MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """v3 of `load_nvfp4_tile`: NVFP4 rows at base_ptr + row_off (bytes, [ROWS]) -> fp16 [ROWS, C] of
+    e2m1 * block_scale (ROUND: rounded to e4m3 as `nvfp4_tile_to_fp8` does), global scale left to the
+    caller. MASKED: rows with is_row False read as zeros (else every row is read: callers that drop
+    such rows later save the predicates). C must be 128 (72-byte rows); base_ptr and every row_off
+    must be multiples of 8 bytes: a row's 8 scale bytes are one int64 load.
+
+    Layout notes (compile report): 72-byte row strides are not multiples of 16, so Triton gets no
+    alignment for them and split the word loads into bytes put back together by PRMT (7.6 instead of
+    4.3 SASS per value) until told (multiple_of) that the row offsets are multiples of 8. The code
+    words are the only 2-D load, so their coalesced layout becomes the layout of the decode and of the
+    tile, and the tile reaches shared memory (for the dot) in 16-byte stores; with the scale bytes
+    loaded as a [ROWS, 8] uint8 tile instead, that load's layout won and it took one 2-byte store per
+    value."""
+    NB: tl.constexpr = C // 16
+    offs_b = tl.arange(0, NB)
+    offs_w = tl.arange(0, 2)
+    word_off = tl.multiple_of(row_off // 4, 2)  # int32 words; rows start 8-byte aligned
+    word_ptrs = (base_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + word_off[:, None, None]
+                 + offs_b[None, :, None] * 2 + offs_w[None, None, :])  # fmt: skip
+    s_ptrs = base_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (row_off + C // 2) // 8
+    if MASKED:
+        words = tl.load(word_ptrs, mask=is_row[:, None, None], other=0)
+        s_row = tl.load(s_ptrs, mask=is_row, other=0)
+    else:
+        words = tl.load(word_ptrs)
+        s_row = tl.load(s_ptrs)
+    w0, w1 = tl.split(words)  # [ROWS, NB] each: elements 0-7 and 8-15 of every block
+    s_bits = (s_row[:, None] >> (8 * offs_b[None, :])).to(tl.int32)  # the block's byte in bits 0-7
+    if not HW:
+        s_bits = s_bits & 0xFF  # the asm reads only byte 0
+    o = nvfp4_block_f16(w0, w1, s_bits, ROUND, HW)
+    return tl.reshape(_join_tree16(o), (ROWS, C))
+
+
+@triton.jit
+def dot_f16(a, b, HW: tl.constexpr):
+    """fp16 x fp16 -> fp32 tensor-core dot (products exact in fp32); fp32 in the interpreter, as
+    `dot_bf16`."""
+    if HW:
+        out = tl.dot(a, b)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return out

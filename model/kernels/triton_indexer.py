@@ -15,25 +15,47 @@ Kernels (semantics: `model.kernels.indexer`, FACTS 2 "MSA"):
 2. `_index_topk_kernel`, grid (T, N): forced blocks first (the local blocks nearest first, then the
    init blocks), then `topk - forced` rounds of argmax (ties to the lower block id), -1 padding.
 
-Numerics: NVFP4 keys are dequantized to e2m1 * block_scale (exact in bf16) with the global scale
-applied to the score; FP8 keys to their e4m3 value (exact in bf16) times the scale; bf16 keys as
-stored. bf16 queries use a bf16 dot with fp32 accumulation (every product exact); fp32 / fp16
-queries or an fp32 cache use an IEEE fp32 dot. Scores equal the reference's up to fp32 summation
-order; selections equal it except at exact near-ties (tested on random data).
+Versions (`variant=`): v3 (default) decodes NVFP4 keys (head dim 128, bf16 queries) word-wise
+straight to fp16 e2m1 * block_scale (`triton_common.load_nvfp4_tile_f16`), queries scaled per row by
+a power of two into fp16 range, one fp16 dot per page, and compiled launches of decode size pick
+warps / pipeline depth by timing. Offline sm_90 SASS of the page loop (benchmarks/
+kernel_compile_report.py, 4 warps): 4.1-4.3 instructions per key value, v2 20.3 (12.5 where Triton
+could assume 16-byte aligned rows; the 72-byte rows are not), FP8 keys 4.3. v2 is the byte-wise
+decode with a bf16 dot and one fixed configuration, kept to be timed beside v3.
+
+Numerics: NVFP4 keys are dequantized to e2m1 * block_scale (exact in bf16 and fp16) with the
+global scale applied to the score (after the block max: the scale is positive); FP8 keys to their
+e4m3 value (exact in bf16) times the scale; bf16 keys as stored. bf16 queries use a bf16 dot (v3
+NVFP4: fp16, queries exact above 2^-31 of their row's amax) with fp32 accumulation (every product
+exact); fp32 / fp16 queries or an fp32 cache use an IEEE fp32 dot. Scores equal the reference's up
+to fp32 summation order; selections equal it except at exact near-ties (tested on random data).
 
 Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
 blocks), K top-k blocks, BPS blocks per split.
 """
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.triton_common import dot_bf16, f32_to_bf16, load_nvfp4_tile, num_sms, use_hw_casts
+from model.kernels.triton_common import (
+    dot_bf16,
+    dot_f16,
+    f32_to_bf16,
+    load_nvfp4_tile,
+    load_nvfp4_tile_f16,
+    num_sms,
+    use_hw_casts,
+)
 
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
+DecodeVariant = Literal["v3", "v2"]
+"""v3: NVFP4 keys decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: the byte-wise decode."""
+V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 
 
 @triton.jit
@@ -52,14 +74,26 @@ def load_key_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl
 
 
 @triton.jit
+def _q_to_f16(q_nc):
+    """fp32 query rows -> (fp16 rows scaled by a power of two so each row's amax lies in [2^14, 2^15),
+    the inverse factor per row). Exact for every bf16 value above amax * 2^-31; the factor keeps fp16
+    from overflowing (its max is 65504) whatever the query's range."""
+    amax_n = tl.max(tl.abs(q_nc), axis=1)
+    e_n = tl.maximum((amax_n.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent, >= 15
+    mul_n = ((268 - e_n) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    inv_n = ((e_n - 14) << 23).to(tl.float32, bitcast=True)  # its inverse, a normal fp32
+    return (q_nc * mul_n[:, None]).to(tl.float16), inv_n
+
+
+@triton.jit
 def _index_scores_kernel(
     q_ptr, stride_qt, stride_qn,
     pages_ptr, stride_pp, stride_ps,
     bt_ptr, stride_bb, seq_ptr, pos_ptr, scale_ptr,
     out_ptr, stride_ot, stride_on,
-    BPS,
+    BPS, tune_class,
     N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
-    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
+    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -73,25 +107,36 @@ def _index_scores_kernel(
     is_head = offs_n < N
     q_nc = tl.load(q_ptr + pid_t * stride_qt + offs_n[:, None] * stride_qn + offs_c[None, :],
                    mask=is_head[:, None], other=0.0)  # fmt: skip
-    if DOT_F32:
-        q_nc = q_nc.to(tl.float32)
-    else:
-        q_nc = q_nc.to(tl.bfloat16)
+    IS_F16: tl.constexpr = V3 and FMT == 2 and not DOT_F32  # v3: fp16 keys from the word decode
     g = 1.0
     if FMT != 0:
         g = tl.load(scale_ptr).to(tl.float32)
+    g_n = tl.full((N_P2,), 1.0, tl.float32) * g
+    if DOT_F32:
+        q_nc = q_nc.to(tl.float32)
+    elif IS_F16:
+        q_nc, inv_n = _q_to_f16(q_nc.to(tl.float32))
+        g_n = g_n * inv_n
+    else:
+        q_nc = q_nc.to(tl.bfloat16)
     for i in range(0, n_iter):
         blk = blk0 + i
         page = tl.load(bt_ptr + seq * stride_bb + blk).to(tl.int64)
         tok_s = blk * PAGE + offs_s
         is_vis = tok_s <= pos
-        keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
-        if DOT_F32:
-            scores_ns = tl.dot(q_nc, tl.trans(keys_sc), input_precision="ieee")
+        if IS_F16:
+            # Unmasked: a visible block's page is allocated, and keys past pos are dropped below.
+            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, is_vis, C, PAGE,
+                                          False, False, HW)  # fmt: skip
+            scores_ns = dot_f16(q_nc, tl.trans(keys_sc), HW)
         else:
-            scores_ns = dot_bf16(q_nc, tl.trans(f32_to_bf16(keys_sc, HW)), HW)
-        scores_ns = tl.where(is_vis[None, :], scores_ns * g, float("-inf"))
-        best_n = tl.max(scores_ns, axis=1)
+            keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
+            if DOT_F32:
+                scores_ns = tl.dot(q_nc, tl.trans(keys_sc), input_precision="ieee")
+            else:
+                scores_ns = dot_bf16(q_nc, tl.trans(f32_to_bf16(keys_sc, HW)), HW)
+        # The scale (> 0) is applied after the max: the same value, one multiply per head per block.
+        best_n = tl.max(tl.where(is_vis[None, :], scores_ns, float("-inf")), axis=1) * g_n
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
 
 
@@ -126,6 +171,14 @@ def _index_topk_kernel(
     tl.store(out_ptr + pid_t * stride_ot + pid_n * stride_on + offs_k, sel_k.to(tl.int64), mask=offs_k < K)
 
 
+# Keyed by format, page shape and `tune_class` (log2 of the pages a launch walks, an argument the
+# kernel ignores), not by BPS: a decode engine retunes when its work doubles, not at every new width.
+_index_scores_tuned = triton.autotune(
+    [triton.Config({}, num_warps=w, num_stages=st) for w, st in [(4, 3), (4, 1), (8, 3)]],
+    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3"],
+)(_index_scores_kernel)
+
+
 def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
     """(splits, blocks per split): enough programs for PROGRAMS_PER_SM waves even at n_rows = 1."""
     target = PROGRAMS_PER_SM * num_sms(device)
@@ -137,23 +190,30 @@ def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, 
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+    variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
-    """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten)."""
+    """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
+    `variant`: "v3" decodes NVFP4 keys word-wise to fp16 (bf16 queries); "v2" the byte-wise decode."""
     T, N, C = index_q_TNC.shape
     P = block_tables_BP.shape[1]
     page = pages.shape[1]
+    is_v3 = variant == "v3" and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scale loads
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
     splits, bps = plan_splits(T, P, index_q_TNC.device)
     dot_f32 = index_q_TNC.dtype != torch.bfloat16 or dtype == "fp32"
-    _index_scores_kernel[(T, splits)](
+    # v3 launches big enough to matter pick warps / pipeline depth by timing on first use; v2 keeps
+    # its single default configuration (4 warps, 3 stages) so that `variant="v2"` times v2 as it was.
+    is_tuned = is_v3 and use_hw_casts() and T * splits >= 256
+    kernel = _index_scores_tuned if is_tuned else _index_scores_kernel
+    kernel[(T, splits)](
         index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
         pages, pages.stride(0), pages.stride(1),
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
-        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps,
+        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
         N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=page,
-        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(),
+        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3,
     )  # fmt: skip
     return scores_TNP
 
@@ -162,11 +222,12 @@ def index_select_blocks_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
     *, topk: int, local_blocks: int, init_blocks: int, out_TNK: torch.Tensor | None = None,
+    variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
     """Selected blocks [T, N, topk] int64 (into `out_TNK` if given); no host syncs."""
     T, N, _ = index_q_TNC.shape
     scores_TNP = index_block_scores_triton(
-        index_q_TNC, pages, dtype, scale, block_tables_BP, seq_idx_T, positions_T
+        index_q_TNC, pages, dtype, scale, block_tables_BP, seq_idx_T, positions_T, variant
     )
     if out_TNK is None:
         out_TNK = torch.empty((T, N, topk), dtype=torch.long, device=index_q_TNC.device)

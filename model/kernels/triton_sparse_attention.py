@@ -22,6 +22,14 @@ Kernels (semantics: `model.kernels.sparse_attention`):
    H200: FP8 141 -> 77 us, bf16 138 -> 86 us at B=64; NVFP4 unchanged at 163 us). The bf16-dot
    fallback decodes NVFP4 tiles element by element (`load_nvfp4_tile_direct`): the interleaved tile
    gave wrong results there on the H200 (v1).
+   v3 (default, `variant=`): NVFP4 pages at head dim 128 on the FP8 path are decoded word-wise
+   straight to fp16 tiles holding the e4m3 values (`triton_common.load_nvfp4_tile_f16` with its
+   e4m3 rounding: the same bits as v2's tiles; page loop 6.2-6.4 SASS per K/V value against v2's
+   21 and FP8's 5.0-5.5, offline sm_90, compile report), and q, P and the
+   tiles meet in fp16 dots: the numbers of the FP8 dot (every product of e4m3 values is exact in
+   fp32), which on sm_90 at 16 query rows Triton runs as fp16 MMA after converting anyway. The
+   autotune is keyed by cache format and version too (v2 keyed by shape only, so the FP8 launch
+   reused the NVFP4 pick). `variant="v2"` keeps the v2 tiles, to be timed beside v3.
 2. `_merge_kernel`, grid (T, N): log-sum-exp merge of the splits: out = sum_s acc_s 2^(m_s - M) /
    sum_s l_s 2^(m_s - M) * v_scale. A row with no visible key gets zeros.
 SPLITS is chosen so T * N * SPLITS covers ~4 waves of SMs (batch 1: one block per program).
@@ -34,6 +42,8 @@ Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, K selected s
 width, BPS blocks per split.
 """
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -41,9 +51,11 @@ import triton.language as tl
 from model import nvfp4
 from model.kernels.triton_common import (
     dot_bf16,
+    dot_f16,
     f32_to_bf16,
     f32_to_e4m3,
     load_nvfp4_tile_direct,
+    load_nvfp4_tile_f16,
     num_sms,
     nvfp4_tile_to_fp8,
     use_hw_casts,
@@ -53,6 +65,9 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
+DecodeVariant = Literal["v3", "v2"]
+"""v3: NVFP4 pages decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: byte-wise to e4m3."""
+V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
 
@@ -90,7 +105,7 @@ def _sparse_attn_kernel(
     n_slots, BPS, SPLITS, n_work,
     G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
     FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HW: tl.constexpr, SUB: tl.constexpr,
+    HW: tl.constexpr, SUB: tl.constexpr, V3: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -115,11 +130,16 @@ def _sparse_attn_kernel(
     if FMT != 0:
         k_scale = tl.load(kscale_ptr).to(tl.float32)
         v_scale = tl.load(vscale_ptr).to(tl.float32)
+    # v3, NVFP4 pages: tiles decoded word-wise straight to fp16 holding the e4m3 values, dots in fp16
+    # on e4m3-valued operands (q, K, P, V): the FP8 path's numbers (every product exact, fp32 sums).
+    IS_F16: tl.constexpr = V3 and FMT == 2 and FP8_DOT
     if FP8_DOT:
         # Per-row e4m3 quantization: the row's amax maps to 448 (e4m3's largest finite value).
         amax_g = tl.maximum(tl.max(tl.abs(q_gc), axis=1), 1e-30)
         q_mul_g = tl.math.div_rn(tl.full(amax_g.shape, 448.0, tl.float32), amax_g)
         q_op = f32_to_e4m3(tl.minimum(tl.maximum(q_gc * q_mul_g[:, None], -448.0), 448.0), HW)
+        if IS_F16:
+            q_op = q_op.to(tl.float16)  # exact
         factor_g = tl.math.div_rn(amax_g, tl.full(amax_g.shape, 448.0, tl.float32)) * (
             k_scale * sm_scale_log2
         )
@@ -143,21 +163,31 @@ def _sparse_attn_kernel(
         page = tl.load(bt_ptr + seq * stride_bb + tl.maximum(blk, 0)).to(tl.int64)
         tok_s = blk * PAGE + sub0 + offs_s
         is_key = (tok_s <= pos) & (tok_s >= 0)  # -1 slots give negative positions: no keys
-        k_rows = k_base + page * stride_kp + (sub0 + offs_s) * stride_ks
-        k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
-        if FP8_DOT:
+        k_page = k_base + page * stride_kp
+        row_off = (sub0 + offs_s) * stride_ks
+        k_rows = k_page + row_off
+        if IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
+            k_sc = load_nvfp4_tile_f16(k_page, row_off, is_key, C, SUB, True, False, HW)
+            s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
+        elif FP8_DOT:
+            k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
             s_gs = tl.dot(q_op, tl.trans(k_sc))
         else:
+            k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
             s_gs = dot_bf16(q_op, tl.trans(k_sc), HW)
         s_gs = tl.where(is_key[None, :], s_gs * factor_g[:, None], float("-inf"))
         m_new = tl.maximum(m_g, tl.max(s_gs, axis=1))
         alpha = tl.math.exp2(m_g - m_new)
         p_gs = tl.math.exp2(s_gs - m_new[:, None])
         l_g = l_g * alpha + tl.sum(p_gs, axis=1)
-        v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
-        if FP8_DOT:
+        if IS_F16:  # masked: P is 0 there, and a garbage scale byte could decode to NaN
+            v_sc = load_nvfp4_tile_f16(k_page + stride_kh, row_off, is_key, C, SUB, True, True, HW)
+            pv_gc = dot_f16(f32_to_e4m3(p_gs, HW).to(tl.float16), v_sc, HW)
+        elif FP8_DOT:
+            v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
             pv_gc = tl.dot(f32_to_e4m3(p_gs, HW), v_sc)
         else:
+            v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
             pv_gc = dot_bf16(f32_to_bf16(p_gs, HW), v_sc, HW)
         acc_gc = acc_gc * alpha[:, None] + pv_gc
         m_g = m_new
@@ -181,7 +211,7 @@ _sparse_attn_tuned = triton.autotune(
         triton.Config({"SUB": sub}, num_warps=w, num_stages=st)
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
-    key=["n_slots", "BPS", "SPLITS", "n_work"],
+    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3"],  # v2: shapes only
 )(_sparse_attn_kernel)
 
 
@@ -232,8 +262,11 @@ def sparse_attention_triton(
     q_THC: torch.Tensor, kv_cache: PagedKV, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor,
     positions_T: torch.Tensor, selected_TNK: torch.Tensor | None, *, softmax_scale: float,
     force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None, sub_tile: int | None = None,
+    variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
-    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs."""
+    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs.
+    `variant`: "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
+    "v2" the byte-wise decode to e4m3."""
     T, H, C = q_THC.shape
     pages = kv_cache.pages
     N, page = pages.shape[1] // 2, pages.shape[2]
@@ -247,6 +280,7 @@ def sparse_attention_triton(
     splits, bps = plan_splits(T * N, max(1, n_slots), q_THC.device)
     g_p2 = max(16, triton.next_power_of_2(G))
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
+    is_v3 = variant == "v3" and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scale loads
     fmt = _FMT[kv_cache.dtype]
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
@@ -269,7 +303,7 @@ def sparse_attention_triton(
         out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
         n_slots, bps, splits, T * N,
         G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
-        IS_SPLIT=splits > 1, HW=use_hw_casts(), **sub_kw,
+        IS_SPLIT=splits > 1, HW=use_hw_casts(), V3=is_v3, **sub_kw,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(T, N)](
@@ -309,20 +343,32 @@ def fp8_emulated(q_THC: torch.Tensor, kv_cache: PagedKV) -> tuple[torch.Tensor, 
 
 
 @triton.jit
-def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):
+def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr,
+                         V3: tl.constexpr):  # fmt: skip
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     is_row = offs_r < n_rows
-    fp8_rc = nvfp4_tile_to_fp8(buf_ptr + offs_r.to(tl.int64) * (C // 2 + C // 16), is_row, C, ROWS, HW)
+    row_off = offs_r.to(tl.int64) * (C // 2 + C // 16)
+    row_ptrs = buf_ptr + row_off
+    if V3:  # fp16 tile holding e4m3 values: the cast back to e4m3 is exact
+        fp8_rc = f32_to_e4m3(
+            load_nvfp4_tile_f16(buf_ptr, row_off, is_row, C, ROWS, True, True, HW).to(tl.float32), HW
+        )
+    else:
+        fp8_rc = nvfp4_tile_to_fp8(row_ptrs, is_row, C, ROWS, HW)
     offs_c = tl.arange(0, C)
     out_ptrs = out_ptr + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
     tl.store(out_ptrs, fp8_rc.to(tl.uint8, bitcast=True), mask=is_row[:, None])
 
 
-def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor) -> torch.Tensor:
+def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
     """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
-    (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit)."""
+    (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).
+    variant "v3" (head dim 128 only) runs the word-wise decode of the v3 attention path."""
     R, X = buf_RX.shape
     C = X * 16 // 9
+    if variant == "v3" and (C != V3_HEAD_DIM or buf_RX.data_ptr() % 8):
+        raise ValueError(f"the v3 decode reads 8-byte aligned 128-value rows, got C={C}")
     out = torch.empty((R, C), dtype=torch.uint8, device=buf_RX.device)
-    _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts())
+    _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts(),
+                                                V3=variant == "v3")  # fmt: skip
     return out.view(torch.float8_e4m3fn)

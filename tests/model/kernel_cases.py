@@ -27,13 +27,21 @@ GROUPS = {
         "indexer_selects_like_reference",
         "indexer_scores_match_reference",
         "indexer_batch1_split_context",
+        "indexer_v3_c128_scores_and_selection_match_reference",
     ],
     "attention": [
         "attention_bf16_matches_reference",
         "attention_fp8_matches_emulated_reference",
         "attention_empty_selection_gives_zeros",
+        "attention_v3_nvfp4_matches_v2_and_emulated_reference",
+        "attention_v3_dequant_bit_exact",
     ],
-    "moe": ["moe_matches_reference", "moe_large_groups_match_reference", "linear_and_shared_expert_match"],
+    "moe": [
+        "moe_matches_reference",
+        "moe_large_groups_match_reference",
+        "linear_and_shared_expert_match",
+        "gemv_v3_split_k_matches_reference",
+    ],
 }
 
 
@@ -212,6 +220,45 @@ def indexer_batch1_split_context(device):
     return bool(torch.equal(got.cpu(), want)), f"{got.cpu()} vs {want}"
 
 
+def indexer_v3_c128_scores_and_selection_match_reference(device):
+    """The v3 word-wise NVFP4 decode (head dim 128, fp16 keys, queries prescaled by a power of two):
+    block scores equal the fp32 reference's within fp32 summation error for query rows of very
+    different magnitudes (fp16 alone would overflow at 3e4 x 128 dims or flush 1e-6), and selections
+    equal the reference for both variants."""
+    from model.kernels.indexer import index_select_blocks_ref
+    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
+    from model.kv_cache import dequantize_kv, gather_pages
+
+    gen = torch.Generator().manual_seed(11)
+    for page, lens, q_mag in [(16, [70, 33], 1.0), (32, [100, 40], 3e4), (16, [50], 1e-6)]:
+        cpu, dev = _index_problem("nvfp4", 128, page, lens, 8, 2, gen, device)
+        q = (cpu[0].float() * q_mag).to(torch.bfloat16)
+        cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
+        q, ic, table, seq, pos, _ = cpu
+        got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5]).cpu()
+        for t in range(len(seq)):
+            b, p = int(seq[t]), int(pos[t])
+            keys = dequantize_kv(gather_pages(ic.pages, table[b], p + 1)[:, None], "nvfp4", ic.scale, 128)[
+                :, 0
+            ]
+            s = q[t].float() @ keys.T
+            nb = p // page + 1
+            s = torch.nn.functional.pad(s, (0, nb * page - p - 1), value=float("-inf"))
+            want = s.view(-1, nb, page).amax(-1)
+            tol = 1e-5 * want.abs().max().item()
+            if not torch.allclose(got[t, :, :nb], want, rtol=1e-5, atol=tol):
+                return False, f"page={page} q x {q_mag} row {t}: scores {got[t, :, :nb]} vs {want}"
+        kw = dict(topk=3, local_blocks=1, init_blocks=1)
+        want = index_select_blocks_ref(*cpu, **kw)
+        for variant in ("v3", "v2"):
+            poison = torch.full_like(want, -7).to(device)
+            got = index_select_blocks_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5], **kw,
+                                             out_TNK=poison, variant=variant)  # fmt: skip
+            if not torch.equal(got.cpu(), want):
+                return False, f"{variant} page={page} q x {q_mag}: selection differs\n{got.cpu()}\n{want}"
+    return True, ""
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False):
     from model.kv_cache import PagedKV, quantize_kv
@@ -240,7 +287,7 @@ def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, e
     return cpu, dev
 
 
-def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None):
+def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None, variant="v3"):
     from model.kernels.triton_sparse_attention import sparse_attention_triton
 
     q, kv, table, seq, pos, _, _ = dev
@@ -248,7 +295,7 @@ def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None):
     poison = torch.full_like(q, float("nan"))
     return sparse_attention_triton(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5,
                                    force_bf16_dot=force_bf16_dot, out_THC=poison,
-                                   sub_tile=sub_tile).float().cpu()  # fmt: skip
+                                   sub_tile=sub_tile, variant=variant).float().cpu()  # fmt: skip
 
 
 _ATTN_SHAPES = [  # N, G, C, page, lens, width, K, rows_per (small T forces split-K + merge)
@@ -265,7 +312,9 @@ def attention_bf16_matches_reference(device):
     for dtype in ("bf16", "fp8", "nvfp4"):
         for N, G, C, page, lens, width, K, rows in _ATTN_SHAPES:
             cpu, dev = _attn_problem(dtype, N, G, C, page, lens, width, K, rows, gen, device)
-            for is_dense in (False, True):
+            # Dense walks (every block) for one format only: the walk does not depend on the format,
+            # and the FP8 / v3 checks below run dense for fp8 and NVFP4 (keeps the file < 60 s on CPU).
+            for is_dense in (False, True) if dtype == "bf16" else (False,):
                 sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
                 want = sparse_attention_ref(*cpu[:6], sel_c, softmax_scale=C**-0.5).float()
                 got = _run_attention(dev, sel_d, force_bf16_dot=True)
@@ -310,6 +359,55 @@ def attention_empty_selection_gives_zeros(device):
         got = _run_attention(dev, dev[6])
         if not (torch.equal(got[0, :4], torch.zeros_like(got[0, :4])) and torch.isfinite(got).all()):
             return False, f"{dtype}: group with no selected block must give zeros, got {got[0, :4]}"
+    return True, ""
+
+
+def attention_v3_nvfp4_matches_v2_and_emulated_reference(device):
+    """v3 NVFP4 attention (head dim 128: pages decoded word-wise to fp16 e4m3 values, fp16 dots) has
+    the FP8 path's numerics: it matches the FP8-emulated reference as v2 does, and v2 itself up to
+    fp32 summation order and one bf16 output rounding; a group with no selected block gives zeros."""
+    from model.kernels.sparse_attention import sparse_attention_ref
+    from model.kernels.triton_sparse_attention import fp8_emulated
+
+    gen = torch.Generator().manual_seed(12)
+    shapes = [(1, 16, 32, [100, 17], 4, 2, 1, None, False, (False, True)),
+              (2, 8, 64, [150, 40], 3, 2, 1, 32, True, (False,))]  # fmt: skip
+    for N, G, page, lens, width, K, rows, sub, empty, walks in shapes:
+        cpu, dev = _attn_problem("nvfp4", N, G, 128, page, lens, width, K, rows, gen, device, empty_row=empty)
+        q_emul, kv_emul = fp8_emulated(cpu[0], cpu[1])
+        for is_dense in walks:
+            sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
+            want = sparse_attention_ref(q_emul, kv_emul, *cpu[2:6], sel_c, softmax_scale=128**-0.5).float()
+            v3 = _run_attention(dev, sel_d, sub_tile=sub, variant="v3")
+            v2 = _run_attention(dev, sel_d, sub_tile=sub, variant="v2")
+            scale = want.abs().max().item()
+            err, gap = (v3 - want).abs().max().item(), (v3 - v2).abs().max().item()
+            if not (err <= 0.04 * scale and gap <= 2**-7 * scale):
+                return False, f"N={N} page={page} dense={is_dense}: err vs ref {err}, vs v2 {gap} ({scale})"
+            if empty and not is_dense and not torch.equal(v3[0, :G], torch.zeros_like(v3[0, :G])):
+                return False, f"group with no selected block must give zeros, got {v3[0, :G]}"
+    return True, ""
+
+
+def attention_v3_dequant_bit_exact(device):
+    """The v3 word-wise NVFP4 -> e4m3 tile decode gives the bits of `nvfp4.kv_dequantize_fp8` (all-zero
+    blocks, negative zeros, e4m3-subnormal block scales and saturation at 448 included)."""
+    from model import nvfp4
+    from model.kernels.triton_sparse_attention import nvfp4_rows_to_fp8_triton
+
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(37, 128, generator=gen) * torch.exp(3 * torch.randn(37, 1, generator=gen))
+    x[0, :16] = 0  # scale 0, codes 0
+    x[1, 16:32] *= 1e-7  # a block far below the row's amax: e4m3-subnormal block scale
+    x[2, :8] = -1e-12  # values that round to -0 next to a large one
+    x[2, 8] = 5.0
+    for scale in (float(x.abs().max()) / 448, float(x.abs().max()) / 2688, 1.0):
+        buf = nvfp4.kv_quantize(x, scale, check_finite=False)
+        want, _ = nvfp4.kv_dequantize_fp8(buf, scale)
+        got = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v3").cpu()
+        n_bad = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
+        if n_bad:
+            return False, f"scale={scale}: {n_bad} bytes differ"
     return True, ""
 
 
@@ -385,6 +483,57 @@ def linear_and_shared_expert_match(device):
     want = (swigluoai(x @ d1.T, x @ d3.T, 1.702, 7.0) @ d2.T).float().cpu()
     err = (got - want).abs().max().item()
     return err <= 0.02 * want.abs().max().item(), f"shared expert: max err {err}"
+
+
+def gemv_v3_split_k_matches_reference(device):
+    """The v3 split-K FMA GEMV (rows 1..4) against the reference and the exact fp32 product, with row
+    (N) and K tails, 1-4 K splits (an empty last split included), poisoned outputs, and the split
+    counters back at zero after every launch (the next launch depends on it)."""
+    from model.kernels.nvfp4_linear import nvfp4_linear_ref
+    from model.kernels.triton_moe import _launch_gemv, _parts, nvfp4_linear_triton, split_counters
+
+    gen = torch.Generator().manual_seed(10)
+    shapes = [
+        (48, 272, 1, 32, 64, 3),
+        (48, 272, 2, 32, 128, 2),
+        (32, 160, 3, 16, 32, 4),
+        (16, 128, 4, 16, 64, 1),
+    ]
+    if device == "cuda":  # large enough for the autotuned launch (every config, SPLIT_K up to 4)
+        shapes.append((1024, 2048, 4, None, None, None))
+    for N, K, T, bn, bk, split_k in shapes:
+        bank = _bank(1, K, N, int(torch.randint(0, 99, (1,), generator=gen)), device)
+        args = (bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])
+        x = (torch.randn(T, K, generator=gen) * 3).to(torch.bfloat16).to(device)
+        want = nvfp4_linear_ref(x, *args).float().cpu()
+        exact = x.float().cpu() @ bank.dequantized(0, torch.float32)[0].float().cpu().T
+        got = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
+        w = _parts(args[0].unsqueeze(0), args[1].unsqueeze(0), args[2])
+        if bn is None:
+            got = nvfp4_linear_triton(x, *args)
+        else:
+            _launch_gemv(x, w, got, T, bn=bn, bk=bk, split_k=split_k)
+        got = got.float().cpu()
+        scale = exact.abs().max().item()
+        err_exact = (got - exact).abs().max().item()
+        err_ref = (got - want).abs().max().item()
+        # bf16 output rounding (2^-8 relative) bounds the gap to the exact product; the reference
+        # adds its own bf16 weight rounding on top.
+        if not (torch.isfinite(got).all() and err_exact <= 2**-7 * scale and err_ref <= 1e-2 * scale):
+            return (
+                False,
+                f"N={N} K={K} T={T} split={split_k}: err vs exact {err_exact}, vs ref {err_ref} ({scale})",
+            )
+        if int(split_counters(torch.device(device), 1).abs().sum()) != 0:
+            return False, f"N={N} K={K} T={T} split={split_k}: split counters not reset"
+    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(device)
+    bank = _bank(1, 128, 32, 5, device)
+    args = (bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])
+    v2 = nvfp4_linear_triton(x, *args, variant="v2").float().cpu()
+    v3 = nvfp4_linear_triton(x, *args, variant="v3").float().cpu()
+    if not (v3 - v2).abs().max() <= 2**-6 * v2.abs().max():
+        return False, f"variant v3 vs v2: {(v3 - v2).abs().max()}"
+    return True, ""
 
 
 def run_interpreted(group: str, timeout_s: float = 300.0) -> dict[str, list]:

@@ -1,0 +1,319 @@
+"""Offline sm_90 compile report of the decode kernels: registers, spills, shared memory, SASS counts.
+
+Why: the H200 is scarce; whether a Triton kernel spills, how much shared memory it stages and how
+many instructions its hot loop issues per weight / key element can all be read on a CPU machine.
+Each case below compiles one kernel configuration at a benchmark shape for `GPUTarget("cuda", 90,
+32)` (ptxas ships with Triton), then reads:
+- regs / spill stores / spill loads (bytes): `ptxas -v` on the generated PTX (the same ptxas flags
+  as Triton's own cubin build are not needed for these counts);
+- shared: the kernel's static + Triton-managed shared memory (compiled metadata);
+- sass: all SASS instructions (`cuobjdump -sass`); loop: instructions inside the largest backward
+  branch (the per-tile K / page loop), with its op histogram; per_elem = loop / elements each thread
+  handles per loop iteration (the case's `elems`), the instruction cost of one weight or key value.
+
+Cases: each indexer / attention cache format, NVFP4 in both decode versions (v3 word-wise, v2
+byte-wise), over the configurations those launches autotune; NVFP4 row strides (72 bytes) get no
+divisibility hint, as at run time (Triton only assumes alignment for multiples of 16).
+
+Caveat: the H200 runs an older Triton (3.6) than this machine may have; code generation can differ
+in detail, so use the numbers to compare variants compiled here, not as the device's exact SASS.
+
+Usage: python benchmarks/kernel_compile_report.py [--only SUBSTR ...] [--json OUT.jsonl] [--ops N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+TARGET = GPUTarget("cuda", 90, 32)
+# Triton's PTX targets the newest ISA version it knows; the bundled ptxas-blackwell reads it (and
+# still assembles sm_90a), the older plain ptxas may not.
+_PTXAS = BIN / "ptxas-blackwell" if (BIN / "ptxas-blackwell").exists() else BIN / "ptxas"
+
+
+@dataclass
+class Case:
+    """One kernel configuration: `ptrs` maps each pointer argument to its element type ("bf16", "u8",
+    "i32", "fp32", ...); `floats` are fp32 scalars; every other non-constexpr argument is an i32."""
+
+    name: str
+    fn: object
+    consts: dict
+    ptrs: dict
+    floats: set = field(default_factory=set)
+    num_warps: int = 4
+    num_stages: int = 3
+    elems: int | None = None  # weight / key values one thread handles per hot-loop iteration
+    divisibility: dict = field(default_factory=dict)  # stride -> 1 where not a multiple of 16 (no hint)
+
+
+def compile_case(case: Case):
+    fn = case.fn
+    while not isinstance(fn, triton.runtime.JITFunction):  # an autotuner wraps the JITFunction
+        fn = fn.fn
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in case.consts:
+            sig[name] = "constexpr"
+        elif name in case.ptrs:
+            sig[name] = "*" + case.ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        elif name in case.floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride") and case.divisibility.get(name, 16) == 16:
+                attrs[(i,)] = [["tt.divisibility", 16]]  # row strides of the benchmark shapes
+    src = ASTSource(fn, sig, case.consts, attrs)
+    return triton.compile(
+        src, target=TARGET, options=dict(num_warps=case.num_warps, num_stages=case.num_stages)
+    )
+
+
+def _ptxas_counts(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        Path(path).write_text(ptx)
+        proc = subprocess.run(
+            [str(_PTXAS), "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(d, "k.o")],
+            capture_output=True,
+            text=True,
+        )
+    text = proc.stderr + proc.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return dict(
+        regs=int(regs.group(1)) if regs else -1,
+        spill_st=int(spill.group(1)) if spill else -1,
+        spill_ld=int(spill.group(2)) if spill else -1,
+    )
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Total SASS, and the largest loop's instruction count and op histogram."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(cubin)
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    ops: collections.Counter = collections.Counter()
+    n_loop = 0
+    if loops:
+        lo, hi = max(loops, key=lambda span: span[1] - span[0])
+        for addr, text in ins:
+            if lo <= addr <= hi:
+                n_loop += 1
+                op = text.split()[1] if text.startswith("@") else text.split()[0]
+                ops[op.split(".")[0]] += 1
+    return dict(sass=len(ins), loop=n_loop, ops=ops)
+
+
+def report(case: Case, n_ops: int = 10) -> dict:
+    k = compile_case(case)
+    row = dict(
+        name=case.name,
+        warps=case.num_warps,
+        stages=case.num_stages,
+        **_ptxas_counts(k.asm["ptx"]),
+        shared=k.metadata.shared,
+    )
+    sc = sass_counts(k.asm["cubin"])
+    row.update(sass=sc["sass"], loop=sc["loop"])
+    if case.elems:
+        row["per_elem"] = round(sc["loop"] / case.elems, 2)
+    row["loop_ops"] = dict(sc["ops"].most_common(n_ops))
+    return row
+
+
+# ------------------------------------------------------------------------------------------ cases
+def gemv_cases() -> list[Case]:
+    """6144 x 6144 W4A16 GEMV: v3 split-K FMA configs (rows 1 / 4) and the v2 tile kernel (LINEAR)."""
+    from model.kernels import triton_moe as m
+
+    out = []
+    ptrs = dict(
+        x_ptr="bf16", w_ptr="i32", s_ptr="u8", sc2_ptr="fp32", out_ptr="bf16", part_ptr="fp32", cnt_ptr="i32"
+    )
+    for cfg in m._GEMV_CONFIGS:
+        for mr in (1, 4):
+            kw = cfg.kwargs
+            out.append(
+                Case(
+                    f"gemv v3 fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
+                    m._w4a16_gemv_kernel,
+                    dict(MR=mr, HW=True, **kw),
+                    ptrs,
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    elems=kw["BN"] * kw["BK"] // (32 * cfg.num_warps),
+                )
+            )
+    out += tile_cases(linear=True)
+    return out
+
+
+def tile_cases(linear: bool) -> list[Case]:
+    from model.kernels import triton_moe as m
+
+    ptrs = dict(
+        x_ptr="bf16",
+        rows_ptr="i32",
+        block_expert_ptr="i32",
+        router_w_ptr="fp32",
+        wa_ptr="i32",
+        sa_ptr="u8",
+        sc2a_ptr="fp32",
+        wb_ptr="i32",
+        sb_ptr="u8",
+        sc2b_ptr="fp32",
+        out_ptr="bf16" if linear else "fp32",
+    )
+    out = []
+    modes = (
+        [("linear", False, False, True)]
+        if linear
+        else [("glu", True, True, False), ("down", False, False, False)]
+    )
+    for cfg in m._TUNED_CONFIGS:
+        kw = cfg.kwargs
+        for label, glu, gather, lin in modes:
+            consts = dict(
+                TOPK=1 if lin else 4, BM=m.BM, FUSE_GLU=glu, GATHER_X=gather, LINEAR=lin, HW=True, **kw
+            )
+            if not lin and not glu:
+                ptrs = {**ptrs, "x_ptr": "bf16", "out_ptr": "fp32"}
+            out.append(
+                Case(
+                    f"{'gemv v2 tile' if lin else 'moe ' + label} BN={kw['BN']} BK={kw['BK']} "
+                    f"planes={kw['PLANES']}",
+                    m._nvfp4_moe_kernel,
+                    consts,
+                    ptrs,
+                    floats={"swiglu_alpha", "swiglu_limit"},
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    elems=kw["BN"] * kw["BK"] * (2 if glu else 1) // (32 * cfg.num_warps),
+                )
+            )
+    return out
+
+
+def indexer_cases() -> list[Case]:
+    """Indexer scores kernel, M3.1 shapes (4 index heads padded to 16 rows, C = 128, 128-token pages)."""
+    from model.kernels import triton_indexer as ix
+
+    out = []
+    for fmt, label, v3 in (
+        (2, "nvfp4 v3", True),
+        (2, "nvfp4 v2", False),
+        (1, "fp8", False),
+        (0, "bf16", False),
+    ):
+        ptrs = dict(q_ptr="bf16", pages_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
+                    pos_ptr="i64", scale_ptr="fp32", out_ptr="fp32")  # fmt: skip
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3)
+        # elems: key values per thread per page (128 keys x 128 dims over the threads). NVFP4 rows are
+        # 72 bytes: Triton gets no divisibility hint for their stride (not a multiple of 16).
+        div = {"stride_ps": 1} if fmt == 2 else {}
+        configs = ix._index_scores_tuned.configs if v3 else [triton.Config({}, num_warps=4, num_stages=3)]
+        for cfg in configs:  # v3 launches are tuned over these; v2 runs the default
+            w, st = cfg.num_warps, cfg.num_stages
+            out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
+                            num_stages=st, elems=128 * 128 // (32 * w), divisibility=div))  # fmt: skip
+    return out
+
+
+def attention_cases() -> list[Case]:
+    """Sparse attention decode kernel, M3.1 shapes (G = 16 heads per KV head, C = 128, 128-token
+    pages), every autotune configuration of each cache format."""
+    from model.kernels import triton_sparse_attention as sa
+
+    out = []
+    for fmt, label, v3 in (
+        (2, "nvfp4 v3", True),
+        (2, "nvfp4 v2", False),
+        (1, "fp8", False),
+        (0, "bf16", False),
+    ):
+        ptrs = dict(q_ptr="bf16", kv_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
+                    pos_ptr="i64", sel_ptr="i64", kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16",
+                    part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
+        for cfg in sa._sparse_attn_tuned.configs:
+            consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
+                          IS_SPLIT=True, HW=True, V3=v3, **cfg.kwargs)  # fmt: skip
+            sub = cfg.kwargs["SUB"]
+            # elems: K plus V values per thread per SUB-token step; NVFP4 rows are 72 bytes (no hint).
+            div = {"stride_ks": 1} if fmt == 2 else {}
+            out.append(Case(f"attention {label} SUB={sub}", sa._sparse_attn_kernel, consts, ptrs,
+                            floats={"sm_scale_log2"}, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            elems=2 * sub * 128 // (32 * cfg.num_warps), divisibility=div))  # fmt: skip
+    return out
+
+
+GROUPS = {
+    "gemv": gemv_cases,
+    "moe": lambda: tile_cases(linear=False),
+    "indexer": indexer_cases,
+    "attention": attention_cases,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", nargs="*", default=list(GROUPS), help=f"subset of {list(GROUPS)}")
+    ap.add_argument("--only", nargs="*", default=None, help="keep cases whose name contains any of these")
+    ap.add_argument("--json", default=None, help="append one JSON line per case here")
+    ap.add_argument("--ops", type=int, default=8, help="loop ops to show per case")
+    args = ap.parse_args()
+    print(
+        f"triton {triton.__version__}, target sm_90; per_elem = loop SASS / values per thread per iteration"
+    )
+    print(
+        f"{'case':58s} {'w':>2s} {'st':>2s} {'regs':>4s} {'spill':>9s} {'smem':>6s} {'sass':>5s} "
+        f"{'loop':>5s} "
+        f"{'/elem':>6s}  loop ops"
+    )
+    for group in args.groups:
+        for case in GROUPS[group]():
+            if args.only and not any(s in case.name for s in args.only):
+                continue
+            try:
+                row = report(case, args.ops)
+            except Exception as exc:  # one failing configuration must not hide the others
+                print(f"{case.name:58s} compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            spill = f"{row['spill_st']}/{row['spill_ld']}"
+            print(
+                f"{row['name']:58s} {row['warps']:2d} {row['stages']:2d} {row['regs']:4d} {spill:>9s} "
+                f"{row['shared']:6d} {row['sass']:5d} {row['loop']:5d} {row.get('per_elem', ''):>6}  "
+                f"{' '.join(f'{k}:{v}' for k, v in row['loop_ops'].items())}",
+                flush=True,
+            )
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
