@@ -111,6 +111,19 @@ def _check_columns(
         raise ValueError(f"{where} is missing column {missing[0]!r} (needs {schema}); it has {columns}")
 
 
+def answer_skip_reason(truth: Any) -> SkipReason | None:
+    """Why a row's reference answer is unusable, or None: one rule for every dataset loader."""
+    if truth is None:
+        return "missing_answer"
+    if not isinstance(truth, str):
+        return "answer_not_string"
+    if not truth.strip():
+        return "empty_answer"
+    if len(truth) > MAX_ANSWER_CHARS:
+        return "answer_too_long"
+    return None
+
+
 def _row_problem_and_truth(row: Any, max_prompt_chars: int) -> tuple[str, str] | SkipReason:
     """(bare problem, ground truth) of a verl-style row, or why the row is unusable."""
     if not isinstance(row, Mapping):
@@ -135,15 +148,8 @@ def _row_problem_and_truth(row: Any, max_prompt_chars: int) -> tuple[str, str] |
         return "empty_prompt"
     reward_model = row.get("reward_model")
     truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
-    if truth is None:
-        return "missing_answer"
-    if not isinstance(truth, str):
-        return "answer_not_string"
-    if not truth.strip():
-        return "empty_answer"
-    if len(truth) > MAX_ANSWER_CHARS:
-        return "answer_too_long"
-    return problem, truth
+    bad = answer_skip_reason(truth)
+    return (problem, truth) if bad is None else bad
 
 
 def records_from_rows(

@@ -42,13 +42,13 @@ from typing import Any, Literal
 import numpy as np
 
 from rl.data import (
-    MAX_ANSWER_CHARS,
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_PROMPT_CHARS,
     Prompt,
     SkipReason,
     _uid,
+    answer_skip_reason,
     log_skipped,
 )
 
@@ -127,14 +127,9 @@ def _geo3k_row(
     if not problem.replace(IMAGE_MARKER, "").strip():
         return "empty_prompt"
     truth = row.get("answer")
-    if truth is None:
-        return "missing_answer"
-    if not isinstance(truth, str):
-        return "answer_not_string"
-    if not truth.strip():
-        return "empty_answer"
-    if len(truth) > MAX_ANSWER_CHARS:
-        return "answer_too_long"
+    bad = answer_skip_reason(truth)
+    if bad is not None:
+        return bad
     if not isinstance(images, list | tuple) or not images:
         return "no_image"
     if len(images) > max_images:

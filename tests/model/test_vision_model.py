@@ -21,14 +21,6 @@ from model.vision import apply_projector_lora, placeholder_ids, preprocess_image
 from model.vision.weights import VISION_PREFIXES
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def build(preset: str = "tiny-vl", seed: int = 0) -> MiniMaxM3ForCausalLM:
     return MiniMaxM3ForCausalLM(ModelConfig.preset(preset)).init_weights(std=0.05, seed=seed).eval()
 

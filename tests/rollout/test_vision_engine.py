@@ -22,14 +22,6 @@ from rollout.engine import Completion, Request, SamplingParams
 from rollout.native import NativeEngine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def with_random_adapter(m: MiniMaxM3ForCausalLM, seed: int, projector: bool = False) -> MiniMaxM3ForCausalLM:
     apply_lora(m, LoRAConfig(r=2, alpha=4.0), seed=seed)
     if projector:
