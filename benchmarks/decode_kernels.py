@@ -37,15 +37,10 @@ from model.config import ModelConfig
 from model.kernels.indexer import index_select_blocks_torch
 from model.kernels.moe import moe_experts_torch, swigluoai
 from model.kernels.sparse_attention import sparse_attention_torch
+from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
 from model.kernels.triton_indexer import _index_scores_tuned, index_select_blocks_triton
 from model.kernels.triton_kv_append import nvfp4_append
-from model.kernels.triton_moe import (
-    GEMV_MAX_ROWS,
-    _nvfp4_moe_tuned,
-    moe_nvfp4_triton,
-    nvfp4_linear_triton,
-    nvfp4_mlp_triton,
-)
+from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
@@ -281,7 +276,7 @@ def run_gemv(device, D: int = 6144, R: int = 8) -> None:
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
-    from model.kernels.triton_moe import _w4a16_gemv_tuned
+    from model.kernels.triton_gemv import _w4a16_gemv_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)

@@ -149,7 +149,7 @@ def report(case: Case, n_ops: int = 10) -> dict:
 # ------------------------------------------------------------------------------------------ cases
 def gemv_cases() -> list[Case]:
     """6144 x 6144 W4A16 GEMV: v3 split-K FMA configs (rows 1 / 4) and the v2 tile kernel (LINEAR)."""
-    from model.kernels import triton_moe as m
+    from model.kernels import triton_gemv as m
 
     out = []
     ptrs = dict(

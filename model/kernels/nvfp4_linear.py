@@ -5,7 +5,7 @@ bytes the rollout engine serves; the learner must run forward and backward throu
 ever materialising the full-precision matrix (for M3 one expert matrix is 3072 x 6144).
 
 How (CUDA inference, bf16 rows <= TRITON_MAX_ROWS, no grad): the Triton W4A16 GEMV of
-`model.kernels.triton_moe` (one launch; fp32 products with the unrounded weights at <= 4 rows, the
+`model.kernels.triton_gemv` (one launch; fp32 products with the unrounded weights at <= 4 rows, the
 bf16 weights below otherwise: equal to the reference up to bf16 rounding).
 How (reference path, runs everywhere else): the weight is dequantized one tile of TILE_N output rows
 at a time (fp32 dequant by `model.nvfp4.dequantize`, the one format definition, then cast to x's
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from model.nvfp4 import NVFP4Tensor, dequantize
 
 try:  # Triton is optional on CPU machines
-    from model.kernels.triton_moe import nvfp4_linear_triton
+    from model.kernels.triton_gemv import nvfp4_linear_triton
 except ImportError:  # pragma: no cover - depends on the install
     nvfp4_linear_triton = None
 

@@ -467,7 +467,8 @@ def moe_large_groups_match_reference(device):
 def linear_and_shared_expert_match(device):
     from model.kernels.moe import swigluoai
     from model.kernels.nvfp4_linear import nvfp4_linear_ref
-    from model.kernels.triton_moe import nvfp4_linear_triton, nvfp4_mlp_triton
+    from model.kernels.triton_gemv import nvfp4_linear_triton
+    from model.kernels.triton_moe import nvfp4_mlp_triton
 
     bank = _bank(1, 128, 64, 4, device)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(device)
@@ -490,7 +491,8 @@ def gemv_v3_split_k_matches_reference(device):
     (N) and K tails, 1-4 K splits (an empty last split included), poisoned outputs, and the split
     counters back at zero after every launch (the next launch depends on it)."""
     from model.kernels.nvfp4_linear import nvfp4_linear_ref
-    from model.kernels.triton_moe import _launch_gemv, _parts, nvfp4_linear_triton, split_counters
+    from model.kernels.triton_gemv import _launch_gemv, nvfp4_linear_triton, split_counters
+    from model.kernels.triton_moe import _parts
 
     gen = torch.Generator().manual_seed(10)
     shapes = [
