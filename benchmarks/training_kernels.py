@@ -51,9 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.kernels import triton_msa_train as tmsa
 from model.kernels.indexer import select_blocks
 from model.kernels.moe import swigluoai
+from model.kernels.msa_train_flex import msa_train_flex
 from model.kernels.sparse_attention import sparse_attention_train_ref
 from model.kernels.triton_moe_train import moe_nvfp4_train
-from model.kernels.triton_msa_train import msa_train_flex, msa_train_triton, plan_tiles
+from model.kernels.triton_msa_train import msa_train_triton, plan_tiles
 from model.layers.lora import ExpertLoRA
 from model.layers.moe import ExpertBank
 from model.nvfp4 import NVFP4Tensor, dequantize

@@ -48,8 +48,9 @@ import torch
 from model.kernels.indexer import check_varlen_args
 
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
+    from model.kernels.msa_train_flex import msa_train_flex
     from model.kernels.triton_common import triton_available
-    from model.kernels.triton_msa_train import msa_train_flex, msa_train_triton, triton_msa_train_supported
+    from model.kernels.triton_msa_train import msa_train_triton, triton_msa_train_supported
     from model.kernels.triton_sparse_attention import sparse_attention_triton, triton_attention_supported
 except ImportError:  # pragma: no cover - depends on the install
     triton_available = None

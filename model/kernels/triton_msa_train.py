@@ -35,9 +35,9 @@ in registers), delta fused into dQ: all three compile spill-free with pipelined 
 loads. Not yet timed on the device: `CONFIGS` keeps v1's tiles and mask (and v2 neighbours) so the
 benchmark times old and new in one process.
 
-`msa_train_flex` runs the same mask through torch's FlexAttention with a BlockMask built from the
-same pair counts (Q/KV blocks of `flex_block`; full blocks skip mask_mod); the dispatch
-(`model.kernels.sparse_attention.sparse_attention_train`) chooses the measured-faster one.
+`model.kernels.msa_train_flex` runs the same mask through torch's FlexAttention with a BlockMask
+built from these pair counts (`tile_pairs`, `compact_lists`); the dispatch
+(`model.kernels.sparse_attention.sparse_attention_train`) chooses between them.
 
 Legend: B batch, S sequence, H query heads, N KV heads, G = H / N, C head dim, K selected blocks,
 NB key blocks, BQ tokens per query tile, M = BQ * G rows, TK keys per key tile, NQT / NT query / key
@@ -365,7 +365,7 @@ def tile_pairs(
     return out.view(B, N, NQT, NT + 1)[..., :NT]
 
 
-def _compact(is_on: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_lists(is_on: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """values where is_on, packed to the front of the last dim in order (rest 0), and the counts;
     a cumsum + scatter, not a sort, and no host sync."""
     L = is_on.shape[-1]
@@ -389,14 +389,14 @@ def plan_tiles(
     NQT, NT = pairs.shape[-2:]
     visit, full = pairs > 0, (pairs == bq * tk).to(torch.int32)
     dev = pairs.device
-    lists, counts = _compact(visit, torch.arange(NT, device=dev, dtype=torch.int32) * 2 + full)
+    lists, counts = compact_lists(visit, torch.arange(NT, device=dev, dtype=torch.int32) * 2 + full)
     tkd = tkd or tk
     if tkd % tk:
         raise ValueError(f"the dK/dV key tile {tkd} must be a multiple of the key tile {tk}")
     r, NTD = tkd // tk, triton.cdiv(S, tkd)
     pairs_d = torch.nn.functional.pad(pairs, (0, NTD * r - NT)).view(B, N, NQT, NTD, r).sum(-1)
     qcode = torch.arange(NQT, device=dev, dtype=torch.int32)[:, None] * 2 + (pairs_d == bq * tkd).int()
-    tlists, tcounts = _compact((pairs_d > 0).transpose(2, 3), qcode.transpose(2, 3))
+    tlists, tcounts = compact_lists((pairs_d > 0).transpose(2, 3), qcode.transpose(2, 3))
     sel = selected_BNSK.long()
     keep = torch.zeros((B, N, S, NB + 1), dtype=torch.uint8, device=dev)
     keep.scatter_(-1, sel.masked_fill(sel < 0, NB), 1)
@@ -518,70 +518,6 @@ def msa_train_triton(
     plan = plan_tiles(selected_BNSK, seq_ids_BS, positions_BS, block_size=block_size, num_blocks=num_blocks,
                       **tile_sizes(cfg, G, block_size))  # fmt: skip
     return _MSATrain.apply(q_BSHC, k_BSNC, v_BSNC, plan, softmax_scale, cfg)
-
-
-def flex_block_mask(
-    selected_BNSK: torch.Tensor, seq_ids_BS: torch.Tensor, positions_BS: torch.Tensor, *, block_size: int,
-    num_blocks: int, group: int, flex_block: int = 128, use_full_blocks: bool = True,
-):  # fmt: skip
-    """FlexAttention BlockMask of the MSA mask (H = N * group heads): Q/KV blocks of `flex_block`
-    visited where some pair is allowed; with `use_full_blocks`, blocks whose every pair is allowed are
-    listed as full (FlexAttention skips mask_mod there), the rest as partial (mask_mod decides)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    B, N, S, _ = selected_BNSK.shape
-    pairs = tile_pairs(selected_BNSK, seq_ids_BS, positions_BS, block_size=block_size, bq=flex_block,
-                       tk=flex_block).repeat_interleave(group, dim=1)  # fmt: skip
-    is_full = (pairs == flex_block * flex_block) & use_full_blocks
-    kv_ids = torch.arange(pairs.shape[-1], device=pairs.device, dtype=torch.int32)
-    partial, n_partial = _compact((pairs > 0) & ~is_full, kv_ids)
-    full, n_full = _compact(is_full, kv_ids)
-    sel = selected_BNSK.long()
-    keep = torch.zeros((B, N, S, num_blocks + 1), dtype=torch.bool, device=sel.device)
-    keep.scatter_(-1, sel.masked_fill(sel < 0, num_blocks), True)
-    kblk = torch.where(seq_ids_BS >= 0, positions_BS // block_size, 0).clamp(max=num_blocks - 1)
-    seq = seq_ids_BS.long()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        s_q, s_k = seq[b, q_idx], seq[b, kv_idx]
-        return (s_q == s_k) & (s_k >= 0) & (kv_idx <= q_idx) & keep[b, h // group, q_idx, kblk[b, kv_idx]]
-
-    return BlockMask.from_kv_blocks(
-        n_partial, partial, n_full if use_full_blocks else None, full if use_full_blocks else None,
-        BLOCK_SIZE=(flex_block, flex_block), mask_mod=mask_mod, seq_lengths=(S, S),
-    )  # fmt: skip
-
-
-_compiled_flex = None
-
-
-def msa_train_flex(
-    q_BSHC: torch.Tensor, k_BSNC: torch.Tensor, v_BSNC: torch.Tensor, selected_BNSK: torch.Tensor,
-    seq_ids_BS: torch.Tensor, positions_BS: torch.Tensor, *, block_size: int, num_blocks: int,
-    softmax_scale: float, flex_block: int = 128, use_full_blocks: bool = True,
-) -> torch.Tensor:  # fmt: skip
-    """The same attention through torch's FlexAttention with `flex_block_mask` (use_full_blocks=False:
-    every visited block runs mask_mod, the 2026-11-30 version). Compiled on CUDA, eager elsewhere
-    (eager applies mask_mod densely and ignores the block lists)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _compiled_flex
-    block_mask = flex_block_mask(
-        selected_BNSK, seq_ids_BS, positions_BS, block_size=block_size, num_blocks=num_blocks,
-        group=q_BSHC.shape[2] // k_BSNC.shape[2], flex_block=flex_block, use_full_blocks=use_full_blocks,
-    )  # fmt: skip
-    if q_BSHC.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    else:
-        fn = flex_attention
-    out_BHSC = fn(
-        q_BSHC.transpose(1, 2), k_BSNC.transpose(1, 2), v_BSNC.transpose(1, 2),
-        block_mask=block_mask, scale=softmax_scale, enable_gqa=True,
-    )  # fmt: skip
-    # Rows with no allowed key (padding) are 0, as in the reference.
-    return out_BHSC.transpose(1, 2) * (seq_ids_BS >= 0)[:, :, None, None].to(q_BSHC.dtype)
 
 
 def triton_msa_train_supported(q_BSHC: torch.Tensor, k_BSNC: torch.Tensor, block_size: int) -> bool:

@@ -223,8 +223,8 @@ def nvfp4_kv_sim_is_straight_through(device):
 def flex_forward_equals_reference(device):
     """FlexAttention twin, forward (torch has no CPU backward for it); on CUDA also the gradients, with
     the compiled kernel's 128-token blocks (16-token selection blocks inside them: mask_mod decides)."""
+    from model.kernels.msa_train_flex import msa_train_flex
     from model.kernels.sparse_attention import sparse_attention_train_ref
-    from model.kernels.triton_msa_train import msa_train_flex
 
     S, fb, K = (256, 128, 9) if device == "cuda" else (64, 16, 2)
     q, k, v, sel, seq, pos, NB = _problem(2, S, 4, 2, 32, 16, K, 6, torch.float32, device)
@@ -368,7 +368,7 @@ def test_plan_lists_hold_exactly_the_visited_tiles_in_order_with_full_flags():
 
 def test_flex_block_lists_cover_every_allowed_pair_and_full_blocks_are_full():
     pytest.importorskip("triton")
-    from model.kernels.triton_msa_train import flex_block_mask
+    from model.kernels.msa_train_flex import flex_block_mask
 
     _, _, _, sel, seq, pos, NB = _problem(2, 75, 1, 2, 16, 32, 3, 22, torch.float32, "cpu", "packed")
     sel[:, :, 30:] = sel[:, :, 30:31]
