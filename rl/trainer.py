@@ -68,6 +68,12 @@ def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:
     return base
 
 
+# Mean |learner - engine| log-prob per sampled token above which a run is told why (see
+# Trainer._check_logprob_agreement): same-computation runs measure ~1e-6; an fp32 model over a bf16
+# KV cache without trainer.kv_sim measured 5e-3 (geo_vision before its recipe set kv_sim).
+LOGPROB_WARN_ABS_DIFF = 1e-3
+
+
 class TrainingAborted(RuntimeError):
     """The run stopped on purpose (a dead learner, repeated worker deaths, repeated NaN steps); the
     message says why and how to continue. Checkpoints already written stay valid."""
@@ -133,6 +139,7 @@ class Trainer:
         ]
         self.fault_counts = {"faults/rollout_restarts": 0.0, "faults/reward_restarts": 0.0}
         self._nonfinite_streak = 0
+        self._warned_logprob_gap = False
         world = cfg.trainer.num_learners
         self.learners = [
             self._actor(Learner, cfg.trainer.num_gpus, len(self.rollout) + rank).remote(
@@ -293,6 +300,24 @@ class Trainer:
                 "optim.grad_clip's strictness, check the data, then resume=auto"
             )
 
+    def _check_logprob_agreement(self, metrics: dict[str, float]) -> None:
+        """Warn once when the learner's log-probs of the sampled tokens disagree with the engine's by
+        more than numerics explain: the usual cause is a KV cache stored at lower precision than the
+        model computes in (fp32 model, bf16/fp8/NVFP4 cache) without trainer.kv_sim."""
+        diff = metrics.get("rollout_corr/abs_diff", 0.0)
+        if diff > LOGPROB_WARN_ABS_DIFF and not self._warned_logprob_gap:
+            self._warned_logprob_gap = True
+            hint = (
+                "set trainer.kv_sim=true so the learner rounds K/V as the cache stores them"
+                if not self.cfg.trainer.kv_sim
+                else "check that learner and engine load the same base and adapter dtypes"
+            )
+            print(
+                f"warning: step {self.step + 1}: learner and rollout log-probs differ by {diff:.2e} per "
+                f"token (rollout_corr/abs_diff; ~1e-6 when both compute the same thing): {hint}",
+                file=sys.stderr,
+            )
+
     def _resume_hint(self) -> str:
         from rl.checkpointing import find_latest
 
@@ -408,6 +433,7 @@ class Trainer:
                     f"is gone, so the run stops: {self._resume_hint()}"
                 ) from None
             self._check_finite(metrics)
+            self._check_logprob_agreement(metrics)
             metrics.update(self._sync())
         else:
             metrics["actor/skipped_step"] = 1.0  # every group had equal rewards: nothing to learn from

@@ -56,3 +56,17 @@ def test_geo_vision_two_steps_log_to_wandb_and_export_the_projector_adapter(ray_
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert "base_model.model.multi_modal_projector.linear_1.lora_B.weight" in adapter
     assert rows[1]["sync/bytes"] == sum(t.numel() * t.element_size() for t in adapter.values())
+
+
+def test_a_logprob_gap_between_learner_and_engine_is_explained_once(capsys):
+    from types import SimpleNamespace
+
+    cfg = load_config("geo_vision", ["trainer.kv_sim=false"])
+    run = SimpleNamespace(cfg=cfg, step=0, _warned_logprob_gap=False)
+    Trainer._check_logprob_agreement(run, {"rollout_corr/abs_diff": 2e-6})
+    assert capsys.readouterr().err == ""  # agreement as expected: silent
+    Trainer._check_logprob_agreement(run, {"rollout_corr/abs_diff": 5.5e-3})  # what geo_vision measured
+    err = capsys.readouterr().err
+    assert "5.50e-03" in err and "set trainer.kv_sim=true" in err
+    Trainer._check_logprob_agreement(run, {"rollout_corr/abs_diff": 5.5e-3})
+    assert capsys.readouterr().err == ""  # once per run
