@@ -94,7 +94,8 @@ def strip_dapo_template(content: str) -> str:
     return text.strip()
 
 
-def _uid(source: str, problem: str) -> str:
+def prompt_uid(source: str, problem: str) -> str:
+    """Stable prompt id: the source and a hash of the problem text (or any dedup key)."""
     return f"{source}-{hashlib.sha1(problem.encode('utf-8')).hexdigest()[:16]}"
 
 
@@ -177,10 +178,8 @@ def records_from_rows(
         seen.add(problem)
         messages = [{"role": "user", "content": dapo_template(problem)}]
         source = row.get("data_source")
-        out.append(
-            Prompt(_uid(uid_prefix, problem), messages, truth, source if isinstance(source, str) and source
-                   else default_source)
-        )  # fmt: skip
+        source = source if isinstance(source, str) and source else default_source
+        out.append(Prompt(prompt_uid(uid_prefix, problem), messages, truth, source))
     log_skipped(uid_prefix, bad, n_rows, skipped)
     return out
 

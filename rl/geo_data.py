@@ -47,9 +47,9 @@ from rl.data import (
     MAX_PROMPT_CHARS,
     Prompt,
     SkipReason,
-    _uid,
     answer_skip_reason,
     log_skipped,
+    prompt_uid,
 )
 
 GEO3K_COLUMNS = ("images", "problem", "answer")
@@ -186,7 +186,7 @@ def records_from_geo3k_rows(
         seen.add(key)
         source = row.get("data_source")
         source = source if isinstance(source, str) and source else default_source
-        out.append(Prompt(_uid(uid_prefix, key), [{"role": "user", "content": parts}], truth, source))
+        out.append(Prompt(prompt_uid(uid_prefix, key), [{"role": "user", "content": parts}], truth, source))
     log_skipped(uid_prefix, bad, n_rows, skipped)
     return out
 

@@ -24,11 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from model.layers.lora import PROJECTOR_TARGETS, LoRALinear, ProjectorTarget
+from model.layers.lora import PROJECTOR_TARGETS, LoRALinear
 from model.vision.tower import VisionModel
-
-ProjectorModule = ProjectorTarget
-PROJECTOR_MODULES: tuple[str, ...] = PROJECTOR_TARGETS
 
 
 def _vision_of(model: nn.Module) -> VisionModel:
@@ -47,20 +44,20 @@ def apply_projector_lora(
     alpha: float,
     dropout: float = 0.0,
     seed: int = 0,
-    modules: Sequence[str] = PROJECTOR_MODULES,
+    modules: Sequence[str] = PROJECTOR_TARGETS,
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Wrap both linears of each named projector module in a LoRALinear (in place); only the new
     adapter parameters require grad among the vision parameters. Returns `model`."""
     vision = _vision_of(model)
-    unknown = [m for m in modules if m not in PROJECTOR_MODULES]
+    unknown = [m for m in modules if m not in PROJECTOR_TARGETS]
     if unknown or not modules:
         raise ValueError(
-            f"apply_projector_lora: modules must be a non-empty subset of {list(PROJECTOR_MODULES)}, "
+            f"apply_projector_lora: modules must be a non-empty subset of {list(PROJECTOR_TARGETS)}, "
             f"got {list(modules)}"
         )
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name in PROJECTOR_MODULES:  # canonical order: the same A draws whatever order was given
+    for name in PROJECTOR_TARGETS:  # canonical order: the same A draws whatever order was given
         if name not in modules:
             continue
         block = getattr(vision, name)
