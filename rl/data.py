@@ -411,13 +411,33 @@ class PromptStream:
         self._order = self._permutation(self.epoch)
 
 
+def text_only(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with content-part lists reduced to their text parts (images dropped)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, Mapping) and part.get("type") == "text"
+            )
+        out.append({**m, "content": content})
+    return out
+
+
 def filter_prompt_length(
     records: Sequence[Prompt], tokenizer: Any, max_tokens: int, skipped: Counter | None = None
 ) -> list[Prompt]:
-    """Drop prompts longer than `max_tokens` once chat-templated and tokenized (logged, and counted
-    as `prompt_too_many_tokens` into `skipped`)."""
+    """Drop prompts whose text is longer than `max_tokens` once chat-templated and tokenized (logged,
+    and counted as `prompt_too_many_tokens` into `skipped`). Image parts are left out of the count:
+    rendered as content-part lists they would count their base64 bytes (a 30 KB diagram = ~40K byte
+    tokens, so every hub Geometry3K row would go); their token cost is bounded by the image limits
+    (`data.max_images`, `data.max_image_pixels`) and checked against the model by the engine."""
     kept = [
-        p for p in records if len(tokenizer.encode(tokenizer.apply_chat_template(p.messages))) <= max_tokens
+        p
+        for p in records
+        if len(tokenizer.encode(tokenizer.apply_chat_template(text_only(p.messages)))) <= max_tokens
     ]
     if len(kept) < len(records):
         log.warning(

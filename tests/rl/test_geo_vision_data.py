@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -276,3 +277,23 @@ def test_geo_vision_config_rejects_bad_image_limits():
         load_config("geo_vision", ["data.max_images=0"])
     with pytest.raises(ValueError, match="hub_eval_split must name a split"):
         load_config("geo_vision", ["data.hub_eval_split=''"])
+
+
+def test_prompt_length_filter_counts_text_tokens_not_the_images_base64():
+    from rl.data import Prompt, filter_prompt_length
+    from rl.tokenizer import ByteTokenizer
+
+    pixels = np.random.RandomState(0).randint(0, 256, (96, 96, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")  # ~28 KB: ~37K base64 characters
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    def prompt(uid: str, text: str) -> Prompt:
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+        return Prompt(uid, [{"role": "user", "content": parts}], "1", "geo")
+
+    short, long = prompt("a", "Find x."), prompt("b", "Find x. " * 200)
+    skipped = Counter()
+    kept = filter_prompt_length([short, long], ByteTokenizer(), 1024, skipped)
+    assert [p.uid for p in kept] == ["a"]  # the image does not count; the 1600-char text does
+    assert skipped["prompt_too_many_tokens"] == 1
