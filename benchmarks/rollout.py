@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dspark import TOK, eval_prompts, train_target
+from dspark import TOK, eval_prompts, log, train_target
 
 from model.layers.lora import LoRAConfig, apply_lora, lora_state_dict
 from rl.data import arithmetic_dataset
@@ -45,10 +45,6 @@ from rl.sync import make_update
 from rollout.dspark.train import TrainConfig, arithmetic_prompts, generate_sequences, train_drafter
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def sync(device: torch.device) -> None:
