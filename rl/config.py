@@ -52,6 +52,7 @@ RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Device = Literal["cpu", "cuda"]
 LearnerParallel = Literal["dp", "dep"]
+EngineParallel = Literal["none", "dep"]
 TrackingMode = Literal["offline", "online", "disabled"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
@@ -238,7 +239,10 @@ class RolloutSection:
     None = the model config's. Native engine: `max_pages` pages of one MSA block each,
     `max_batch_tokens` per forward, `max_num_seqs` running sequences. vLLM: `tensor_parallel_size`
     and `gpu_memory_utilization`. `num_gpus` is the Ray GPU request per worker, `torch_threads` its
-    CPU threads."""
+    CPU threads. `engine_parallel=dep` makes each of the `num_workers` replicas `engine_ranks` Ray
+    actors (one process and `num_gpus` GPUs each) forming one DEP engine (rollout/native/dep.py,
+    rl/dep_rollout.py): attention data parallel (each rank its own requests and KV cache), routed
+    experts sharded over the ranks, tokens exchanged by all-to-all; "none" = one process per replica."""
 
     backend: RolloutBackend = "native"
     num_workers: int = 1
@@ -252,6 +256,8 @@ class RolloutSection:
     max_batch_tokens: int = 512
     max_num_seqs: int = 64
     num_gpus: float = 0.0
+    engine_parallel: EngineParallel = "none"
+    engine_ranks: int = 1
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
     torch_threads: int = 1
@@ -268,6 +274,30 @@ class RolloutSection:
         _at_least(
             self, "rollout", 1, "max_batch_tokens", "max_num_seqs", "tensor_parallel_size", "torch_threads"
         )
+        _at_least(self, "rollout", 1, "engine_ranks")
+        if self.engine_parallel == "none":
+            _require(
+                self.engine_ranks == 1,
+                f"rollout.engine_ranks={self.engine_ranks} needs rollout.engine_parallel=dep (ranks per "
+                "replica); with engine_parallel=none set rollout.engine_ranks=1",
+            )
+        else:
+            _require(
+                self.engine_ranks >= 2,
+                f"rollout.engine_parallel=dep needs rollout.engine_ranks >= 2 (got {self.engine_ranks}); "
+                "for one process per replica set rollout.engine_parallel=none",
+            )
+            _require(
+                self.backend == "native",
+                f"rollout.engine_parallel=dep is a native-engine layout (rollout.backend={self.backend!r}): "
+                "set rollout.backend=native, or rollout.engine_parallel=none for vLLM",
+            )
+            _require(
+                self.dspark.drafter is None,
+                "rollout.engine_parallel=dep does not run DSpark speculation yet (its draft and verify "
+                "passes are not lockstepped over the replica): set rollout.dspark.drafter=null or "
+                "rollout.engine_parallel=none",
+            )
         _at_least(self, "rollout", 0, "temperature", "num_gpus")
         _require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _require(
@@ -496,12 +526,42 @@ class TrainConfig:
             "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
             "use trainer.learner_parallel=dp",
         )
+        if self.rollout.engine_parallel == "dep":
+            self._check_dep_engine()
         if self.trainer.device == "cpu":
             _require(
                 self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,
                 "trainer.device=cpu but rollout.num_gpus / trainer.num_gpus ask for GPUs; "
                 "set trainer.device=cuda or the GPU counts to 0",
             )
+
+    def _check_dep_engine(self) -> None:
+        """rollout.engine_parallel=dep shards routed experts: the model must have them, evenly."""
+        ranks = self.rollout.engine_ranks
+        _require(
+            self.model.family == "minimax_m3",
+            "rollout.engine_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
+            "use rollout.engine_parallel=none",
+        )
+        # The checkpoint's config when it exists (warm-up builds a missing one from the preset).
+        ckpt = Path(self.model.checkpoint) if self.model.checkpoint else None
+        if ckpt is not None and (ckpt / "config.json").is_file():
+            mcfg, where = ModelConfig.from_pretrained(ckpt), f"model.checkpoint={self.model.checkpoint}"
+        elif self.model.preset is not None:
+            mcfg = dataclasses.replace(ModelConfig.preset(self.model.preset), **dict(self.model.overrides))
+            where = f"model.preset={self.model.preset}"
+        else:  # a checkpoint that does not exist yet: prepare_base reports it
+            return
+        _require(
+            "sparse" in mcfg.mlp_layer_types,
+            f"rollout.engine_parallel=dep: {where} has no MoE layer (routed experts) to shard; use "
+            "rollout.engine_parallel=none",
+        )
+        _require(
+            mcfg.num_local_experts % ranks == 0,
+            f"rollout.engine_parallel=dep: {where} has {mcfg.num_local_experts} routed experts, not "
+            f"divisible by rollout.engine_ranks={ranks}; pick engine_ranks dividing {mcfg.num_local_experts}",
+        )
 
 
 # ----------------------------------------------------------------------------- loading and saving

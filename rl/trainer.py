@@ -27,6 +27,7 @@ import torch
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
 from rl.data import skipped_row_metrics
+from rl.dep_rollout import DEPReplica, DEPRolloutRank, fetch, replica_size
 from rl.faults import maybe_fail
 from rl.rewards import reward_error_metrics
 from rl.workers import Learner, RewardWorker, RolloutWorker, Sample
@@ -129,10 +130,7 @@ class Trainer:
             from rl.hf_policy import prepare_hf_base
 
             engine_base = prepare_hf_base(base, self.run_dir / "base_vllm", cfg.model.dtype)
-        self.rollout = [
-            self._actor(RolloutWorker, cfg.rollout.num_gpus, i).remote(cfg, str(engine_base), i)
-            for i in range(cfg.rollout.num_workers)
-        ]
+        self.rollout = self._rollout_workers(str(engine_base))
         self.rewards = [
             ray.remote(num_cpus=0, max_restarts=cfg.trainer.max_restarts)(RewardWorker).remote(cfg)
             for _ in range(cfg.reward.num_workers)
@@ -142,7 +140,7 @@ class Trainer:
         self._warned_logprob_gap = False
         world = cfg.trainer.num_learners
         self.learners = [
-            self._actor(Learner, cfg.trainer.num_gpus, len(self.rollout) + rank).remote(
+            self._actor(Learner, cfg.trainer.num_gpus, self._rollout_bundles + rank).remote(
                 cfg, str(base), rank, world
             )
             for rank in range(world)
@@ -151,8 +149,8 @@ class Trainer:
         if world > 1:
             addr = ray.get(self.learner.rendezvous_address.remote())
             ray.get([lrn.init_group.remote(*addr) for lrn in self.learners])
-        prints = ray.get([lrn.fingerprint.remote() for lrn in self.learners] +
-                         [w.fingerprint.remote() for w in self.rollout])  # fmt: skip
+        prints = ray.get([lrn.fingerprint.remote() for lrn in self.learners])
+        prints += fetch([w.fingerprint.remote() for w in self.rollout])
         if len(set(prints)) != 1:
             raise RuntimeError(
                 f"base fingerprints differ between learner and rollout workers: {prints}; every worker must "
@@ -165,9 +163,35 @@ class Trainer:
         self.startup_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ placement
+    @property
+    def _rollout_bundles(self) -> int:
+        """Placement bundles (= processes) of all rollout replicas: bundle indices 0.. of the group."""
+        return self.cfg.rollout.num_workers * replica_size(self.cfg)
+
+    def _rollout_workers(self, engine_base: str) -> list:
+        """One actor per replica, or (rollout.engine_parallel=dep) one `DEPReplica` handle grouping its
+        `engine_ranks` rank actors, bundles i*W .. i*W+W-1, with its torch.distributed group formed."""
+        cfg, gpus = self.cfg, self.cfg.rollout.num_gpus
+        if cfg.rollout.engine_parallel == "none":
+            return [
+                self._actor(RolloutWorker, gpus, i).remote(cfg, engine_base, i)
+                for i in range(cfg.rollout.num_workers)
+            ]
+        world = cfg.rollout.engine_ranks
+
+        def rank_of(i: int):
+            return lambda r: self._actor(DEPRolloutRank, gpus, i * world + r).remote(
+                cfg, engine_base, i, r, world
+            )
+
+        replicas = [DEPReplica(rank_of(i), world, i) for i in range(cfg.rollout.num_workers)]
+        for rep in replicas:  # each blocks until its ranks have built their engines and joined
+            rep.form_group()
+        return replicas
+
     def _placement_group(self):
-        """One bundle per rollout worker (indices 0..W-1) then per learner, reserved up front
-        (ray.placement=pack|spread); None = let Ray place actors freely."""
+        """One bundle per rollout process (indices 0.., `engine_ranks` per DEP replica) then per
+        learner, reserved up front (ray.placement=pack|spread); None = let Ray place actors freely."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -178,7 +202,7 @@ class Trainer:
         def bundle(gpus: float) -> dict[str, float]:
             return {"CPU": c.ray.bundle_cpus, **({"GPU": gpus} if gpus else {})}
 
-        bundles = [bundle(c.rollout.num_gpus)] * c.rollout.num_workers
+        bundles = [bundle(c.rollout.num_gpus)] * self._rollout_bundles
         bundles += [bundle(c.trainer.num_gpus)] * c.trainer.num_learners
         pg = placement_group(bundles, strategy=c.ray.placement.upper())
         try:
@@ -216,7 +240,7 @@ class Trainer:
 
         for attempt in range(self.cfg.trainer.max_restarts + 1):
             try:
-                return ray.get(future)
+                return fetch(future)  # a DEP replica: every rank's answer (a dead rank kills the replica)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 if attempt == self.cfg.trainer.max_restarts:
                     raise TrainingAborted(
@@ -241,11 +265,10 @@ class Trainer:
         return ray.get([getattr(lrn, method).remote() for lrn in self.learners])[0]
 
     def _resync(self, actor) -> None:
-        """Send the learner's current adapter to a restarted engine (it starts at version 0)."""
-        import ray
-
+        """Send the learner's current adapter to a restarted engine (it starts at version 0). A DEP
+        replica's call first re-forms its group (rl/dep_rollout.py), waiting for its ranks as here."""
         update = self._from_learners("adapter_update")
-        self._until_alive(lambda: ray.get(actor.set_adapter.remote(update)))
+        self._until_alive(lambda: fetch(actor.set_adapter.remote(update)))
 
     def _until_alive(self, call) -> None:
         """Run `call` (a blocking call on a just-died actor) until it succeeds. Calls to a
@@ -273,11 +296,9 @@ class Trainer:
     def _spec_metrics(self) -> dict[str, float]:
         """`spec/accept_len`: tokens emitted per verification pass in this step's rollouts (all
         engines), when DSpark is on."""
-        import ray
-
         if self.cfg.rollout.dspark.drafter is None or self.cfg.rollout.backend != "native":
             return {}
-        parts = ray.get([w.spec_stats.remote() for w in self.rollout])
+        parts = fetch([w.spec_stats.remote() for w in self.rollout])
         steps, acc = sum(p["steps"] for p in parts), sum(p["accepted"] for p in parts)
         return {"spec/accept_len": (acc + steps) / steps if steps else 0.0, "spec/verify_steps": steps}
 
@@ -327,11 +348,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces of a step
     def _sync(self) -> dict[str, float]:
-        import ray
-
         t0 = time.perf_counter()
         update = self._from_learners("adapter_update")
-        engine_side = ray.get([w.set_adapter.remote(update) for w in self.rollout])
+        engine_side = fetch([w.set_adapter.remote(update) for w in self.rollout])
         out = {"sync/bytes": float(update.nbytes), "sync/seconds": time.perf_counter() - t0,
                "sync/version": float(update.version)}  # fmt: skip
         loads = [e["seconds"] for e in engine_side if e and "seconds" in e]
@@ -527,10 +546,15 @@ class Trainer:
             tracker.finish()
 
         try:  # engines with subprocesses (vLLM) stop them first; a dead actor is no reason to fail
-            ray.get([w.shutdown.remote() for w in self.rollout], timeout=60)
+            fetch([w.shutdown.remote() for w in self.rollout], timeout=60)
         except Exception as e:
             print(f"warning: rollout engine shutdown: {e}", file=sys.stderr)
-        for actor in [*self.rollout, *self.rewards, *self.learners]:
+        for w in self.rollout:  # a DEP replica: every rank actor
+            if isinstance(w, DEPReplica):
+                w.kill()
+            else:
+                ray.kill(w)
+        for actor in [*self.rewards, *self.learners]:
             ray.kill(actor)
         if self._placement is not None:
             from ray.util.placement_group import remove_placement_group

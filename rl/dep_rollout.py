@@ -1,0 +1,218 @@
+"""DEP engine replicas in the Ray trainer (`rollout.engine_parallel=dep`): W rank actors act as one worker.
+
+What: `DEPRolloutRank` is one rank of a DEP engine replica (rollout/native/dep.py): a `RolloutWorker`
+whose policy, after the replica's torch.distributed group is formed (`init_group`: TCP rendezvous at
+rank 0's address, gloo on CPU, NCCL + gloo on GPUs), keeps 1/W of the routed experts and whose engine
+is a `DEPEngine` over its `NativeEngine`. `DEPReplica` is the driver-side handle that groups the W
+rank actors so the trainer sees one rollout worker: `replica.generate.remote(...)` (likewise
+`set_adapter`, `fingerprint`, `shutdown`, `spec_stats`, `stats`) sends the call to every rank and
+returns a `ReplicaCall`; `fetch` resolves ObjectRefs and ReplicaCalls alike (rank 0's answer, after
+every rank's answer has arrived, so an error on any rank surfaces).
+
+Why every rank gets the whole prompt shard: `DEPEngine.generate` is collective and takes the same
+request list on every rank; it splits the requests over the ranks itself and returns every completion
+on every rank, and the seeds are fixed per prompt position before the split, so the replica's samples
+equal one engine's whatever W is.
+
+Faults: a rank alone cannot recover (its peers are blocked in collectives with it), so a dead rank
+kills the replica: `fetch` kills every rank of it (Ray restarts them, `trainer.max_restarts`) and
+raises the death as a `RayActorError`, which the trainer answers as for any dead engine (re-send the
+adapter, re-run the same call); the first call on the replica after that re-forms its group (new
+rendezvous, experts sharded again). A rank that raises while the others stay blocked also kills the
+replica (the exception is re-raised); an error raised by every rank (bad input) kills nothing.
+
+Invariants: the replica's fingerprint is the unsharded base's (taken before sharding); every rank
+holds the whole adapter (expert adapters index by global expert id), the same version everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from rl.config import TrainConfig
+from rl.workers import RolloutWorker
+
+# A replica's collectives wait at most one engine step for a peer; a rank still blocked after this
+# long has lost its peer (NCCL would otherwise wait its default 10 minutes).
+GROUP_TIMEOUT = timedelta(minutes=5)
+# How long `fetch` waits for the other ranks after one raised before judging them blocked.
+PEER_GRACE_S = 10.0
+
+__all__ = ["DEPReplica", "DEPRolloutRank", "ReplicaCall", "fetch", "replica_size"]
+
+
+class DEPRolloutRank(RolloutWorker):
+    """Rank `rank` of replica `index` (world `world` ranks). Build it, then call `init_group` on every
+    rank (collective) before anything else; until then it is an unsharded single-process engine."""
+
+    def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0, rank: int = 0, world: int = 2):
+        if cfg.rollout.engine_parallel != "dep":
+            raise ValueError("DEPRolloutRank needs rollout.engine_parallel=dep")
+        super().__init__(cfg, base_dir, index)  # policy + fingerprint (unsharded) + NativeEngine
+        self.rank, self.world = rank, world
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a free port (asked of rank 0) for the replica's TCP rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_group(self, addr: str, port: int) -> None:
+        """Join the replica's group, shard the routed experts over it (every rank keeps the whole
+        adapter) and serve through a `DEPEngine`. Collective: every rank of the replica calls it."""
+        import torch.distributed as dist
+
+        from model.parallel.expert_parallel import apply_expert_parallel
+        from rollout.native.dep import DEPEngine
+
+        if dist.is_initialized():
+            raise RuntimeError(f"replica {self.index} rank {self.rank} already belongs to a group")
+        # GPU engines: NCCL for the all-to-alls of device tensors, gloo for the host-side objects.
+        backend = "cpu:gloo,cuda:nccl" if self.cfg.trainer.device == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
+            timeout=GROUP_TIMEOUT,
+        )  # fmt: skip
+        apply_expert_parallel(self.model, None)  # the world is this replica's ranks
+        self.engine = DEPEngine(self.engine, None, seed=self.cfg.trainer.seed + self.index)
+
+    def shutdown(self) -> None:
+        """Leave the group (local: no peer needs to join) before the actor is killed."""
+        import torch.distributed as dist
+
+        super().shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class ReplicaCall:
+    """One method call sent to every rank of `replica`: `refs[r]` is rank r's ObjectRef."""
+
+    replica: DEPReplica
+    refs: list
+
+
+def fetch(futures: Any, timeout: float | None = None) -> Any:
+    """`ray.get` that also takes `ReplicaCall`s (alone or in a list, beside plain ObjectRefs)."""
+    import ray
+
+    if isinstance(futures, ReplicaCall):
+        return futures.replica.resolve(futures, timeout)
+    if isinstance(futures, list) and any(isinstance(f, ReplicaCall) for f in futures):
+        return [fetch(f, timeout) for f in futures]
+    return ray.get(futures, timeout=timeout)
+
+
+class _Method:
+    def __init__(self, replica: DEPReplica, name: str):
+        self.replica, self.name = replica, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> ReplicaCall:
+        return self.replica.call(self.name, *args, **kwargs)
+
+
+class DEPReplica:
+    """Driver-side handle over the `world` rank actors of rollout replica `index`. `make_rank(rank)`
+    returns a Ray actor handle of `DEPRolloutRank` (placement and restarts are the trainer's)."""
+
+    METHODS = ("generate", "set_adapter", "fingerprint", "shutdown", "spec_stats", "stats")
+
+    def __init__(self, make_rank: Callable[[int], Any], world: int, index: int = 0):
+        self.index, self.world = index, world
+        self.ranks = [make_rank(r) for r in range(world)]
+        self._needs_group = True
+        for name in self.METHODS:
+            setattr(self, name, _Method(self, name))
+
+    def form_group(self) -> None:
+        """(Re-)form the replica's torch.distributed group: rendezvous at rank 0, every rank joins.
+        Blocks; a rank that is restarting makes it wait or raise as Ray does for that actor."""
+        import ray
+
+        self._needs_group = True
+        addr = ray.get(self.ranks[0].rendezvous_address.remote())
+        # A rank that fails to join leaves the others waiting in the rendezvous: resolve kills them.
+        self.resolve(ReplicaCall(self, [a.init_group.remote(*addr) for a in self.ranks]))
+        self._needs_group = False
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> ReplicaCall:
+        """Send `name(*args, **kwargs)` to every rank (the group is formed first if needed)."""
+        if self._needs_group and name != "shutdown":
+            self.form_group()
+        return ReplicaCall(self, [getattr(a, name).remote(*args, **kwargs) for a in self.ranks])
+
+    def resolve(self, call: ReplicaCall, timeout: float | None = None) -> Any:
+        """Rank 0's answer once every rank has answered. A dead rank kills the replica (see module doc)."""
+        import ray
+
+        rank_of = {ref: r for r, ref in enumerate(call.refs)}
+        pending, start = list(call.refs), time.monotonic()
+        while pending:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                raise ray.exceptions.GetTimeoutError(
+                    f"rollout replica {self.index}: no answer in {timeout} s"
+                )
+            error = _error_of(done[0])
+            if error is None:
+                continue
+            # A peer's death often shows first as a collective error on a survivor: give the other
+            # ranks a moment to report, and answer a death as a death (the trainer restarts engines).
+            finished, blocked = [done[0]], []
+            if not _is_death(error):
+                more, blocked = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S)
+                finished += more
+            deaths = [ref for ref in finished if _is_death(_error_of(ref))]
+            if deaths:  # Ray restarts the dead rank itself; its peers go down with it
+                self.kill(restart=True, spare=rank_of[deaths[0]])
+                raise _error_of(deaths[0])
+            if blocked:  # raised on some ranks while the others wait in a collective for them
+                self.kill(restart=True)
+            raise error  # raised on every rank (e.g. bad input): the replica is fine
+        return ray.get(call.refs[0])
+
+    def kill(self, restart: bool = False, spare: int | None = None) -> None:
+        """Kill every rank (but `spare`, already dead); with `restart` Ray brings them back and the
+        group is re-formed on the replica's next call."""
+        import ray
+
+        self._needs_group = True
+        for r, a in enumerate(self.ranks):
+            if r == spare:
+                continue
+            with contextlib.suppress(Exception):  # already gone for good: nothing to kill
+                ray.kill(a, no_restart=not restart)
+
+
+def _error_of(ref: Any) -> BaseException | None:
+    """The exception `ray.get(ref)` raises (the ref is ready), or None."""
+    import ray
+
+    try:
+        ray.get(ref)
+    except Exception as e:
+        return e
+    return None
+
+
+def _is_death(error: BaseException | None) -> bool:
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError)
+
+
+def replica_size(cfg: TrainConfig) -> int:
+    """Processes (and placement bundles) per rollout replica."""
+    return cfg.rollout.engine_ranks if cfg.rollout.engine_parallel == "dep" else 1
