@@ -41,6 +41,11 @@ from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
 from rl.grpo import policy_loss
 
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from random_init import random_model_
+
+M3_WIDTH = 4096  # hidden sizes from here up are built on the device with random weights
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)
@@ -54,7 +59,19 @@ def sync(device: torch.device) -> None:
 def build_model(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, variant: str
 ) -> MiniMaxM3ForCausalLM:
-    """The preset with seeded weights; variant 'bf16' replaces each NVFP4 bank by its dequantized twin."""
+    """The preset with seeded weights; variant 'bf16' replaces each NVFP4 bank by its dequantized twin.
+    At M3 width (`--preset m3.1-flash`) both variants draw random weights on the device instead
+    (benchmarks/random_init.py; a host draw and dequantization would take minutes per layer): same
+    shapes and value ranges, the bf16 variant's routed experts built as bf16 banks."""
+    if cfg.hidden_size >= M3_WIDTH:
+        if variant == "bf16":
+            cfg = dataclasses.replace(
+                cfg, quantization=dataclasses.replace(cfg.quantization, routed_experts="bf16")
+            )
+        with torch.device(device):
+            model = MiniMaxM3ForCausalLM(cfg)
+        random_model_(model, torch.Generator(device).manual_seed(0))
+        return model.to(dtype=dtype)
     model = MiniMaxM3ForCausalLM(cfg).init_weights(std=0.02, seed=0)
     if variant == "bf16":
         for module in list(model.modules()):
@@ -177,7 +194,14 @@ def memory_table(small: ModelConfig, preset: str, rows: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="learner tokens/s and memory: NVFP4 + LoRA vs bf16 dequantized")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--preset", default="small", choices=["small", "tiny"])
+    p.add_argument(
+        "--preset",
+        default="small",
+        choices=["small", "tiny", "m3.1-flash"],
+        help="m3.1-flash: the real model's layer shapes (hidden 6144, 128 experts of 3072, 200K vocab) with "
+        "--layers MSA + MoE layers",
+    )
+    p.add_argument("--layers", type=int, default=2, help="layers of the m3.1-flash preset (default 2)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--rank", type=int, default=32)
@@ -200,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.batch, args.seq_len, args.repeats, args.rank = "tiny", 2, 64, 1, 4
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = ModelConfig.preset(args.preset)
+    if args.preset == "m3.1-flash":  # MSA + MoE layers only: no dense MLP left to quantize
+        L = args.layers
+        cfg = dataclasses.replace(
+            cfg, num_hidden_layers=L, layer_types=["minimax_m3_sparse"] * L, mlp_layer_types=["sparse"] * L,
+            num_mtp_modules=0, quantization=dataclasses.replace(cfg.quantization, dense_mlp="bf16"),
+        )  # fmt: skip
     if args.experts is not None:
         cfg = dataclasses.replace(cfg, num_local_experts=args.experts)
     header = {
@@ -212,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "routed_lora": not args.no_routed_lora,
         "kv_sim": args.kv_sim,
         "experts": cfg.num_local_experts,
+        "layers": cfg.num_hidden_layers,
         "gradient_checkpointing": args.gradient_checkpointing,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,

@@ -38,7 +38,13 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+# The repo root ahead of benchmarks/ (this script's own folder, sys.path[0]): benchmarks/rollout.py
+# would otherwise shadow the `rollout` package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
@@ -59,13 +65,18 @@ from model.parallel.context_parallel import (
 from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_parallel
 from model.parallel.groups import ParallelGroups, launch_local
 
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from random_init import random_model_, random_nvfp4_bank_
+
 # Shapes: M3.1-Flash's MoE layer and MSA layer (FACTS 2), and a CPU-sized twin.
 PRESETS = {
     "m3": dict(hidden=6144, ffn=3072, experts=128, topk=4, tokens=2048, heads=64, kv_heads=4, head_dim=128,
                page=128, topk_blocks=16, context=131072, batch=8, reps=10, model="m3.1-flash",
-               learner_layers=2),
+               learner_layers=2, engine_model="small", engine_batches=(64, 256), prompt_len=128,
+               gen_tokens=64),
     "tiny": dict(hidden=64, ffn=64, experts=8, topk=2, tokens=64, heads=4, kv_heads=2, head_dim=32,
-                 page=16, topk_blocks=4, context=512, batch=2, reps=3, model="tiny", learner_layers=2),
+                 page=16, topk_blocks=4, context=512, batch=2, reps=3, model="tiny", learner_layers=2,
+                 engine_model="tiny", engine_batches=(4,), prompt_len=12, gen_tokens=6),
 }  # fmt: skip
 
 
@@ -105,22 +116,6 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------------------------------ EP
-@torch.no_grad()
-def _random_nvfp4_bank_(moe: MoE, gen: torch.Generator) -> None:
-    """Random NVFP4 codes and block scales, generated on the bank's device (a CPU draw of 128
-    experts x 3 x 19M values would dominate the run); the same on every rank (same seed)."""
-    bank = moe.experts
-    for proj in ("w1", "w2", "w3"):
-        w = getattr(bank, f"{proj}_weight")
-        for e in range(bank.num_experts):
-            w[e] = torch.randint(0, 256, w[e].shape, generator=gen, device=w.device, dtype=torch.uint8)
-            s = getattr(bank, f"{proj}_weight_scale")[e]
-            s.copy_((torch.rand(s.shape, generator=gen, device=w.device) * 2 + 0.5).to(torch.float8_e4m3fn))
-        getattr(bank, f"{proj}_weight_scale_2").fill_(0.01)
-    for p in moe.parameters():
-        p.normal_(0.0, 0.02, generator=gen)
-
-
 def bench_ep(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> list[dict]:
     cfg = dataclasses.replace(
         ModelConfig.preset("tiny"), hidden_size=p["hidden"], moe_intermediate_size=p["ffn"],
@@ -129,7 +124,7 @@ def bench_ep(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch
     with torch.device(device):
         moe = MoE(cfg, fmt="nvfp4")
     moe.to(dtype)
-    _random_nvfp4_bank_(moe, torch.Generator(device).manual_seed(0))
+    random_nvfp4_bank_(moe, torch.Generator(device).manual_seed(0))
     gen = torch.Generator(device).manual_seed(1 + groups.rank)  # every rank its own tokens
     x_TD = torch.randn(p["tokens"], p["hidden"], generator=gen, device=device).to(dtype)
     check_TD = x_TD[:64]
@@ -218,18 +213,6 @@ def bench_dcp(p: dict, groups: ParallelGroups, device: torch.device, dtype: torc
 
 
 # --------------------------------------------------------------------------------- DEP learner
-@torch.no_grad()
-def _random_model_(model: MiniMaxM3ForCausalLM, gen: torch.Generator) -> None:
-    """Random weights drawn on the model's device (init_weights draws on the CPU: minutes at M3
-    width); the same on every rank."""
-    for p in model.parameters():
-        p.normal_(0.0, 0.02, generator=gen)
-    for layer in model.model.layers:
-        if hasattr(layer, "block_sparse_moe"):
-            _random_nvfp4_bank_(layer.block_sparse_moe, gen)
-            layer.block_sparse_moe.e_score_correction_bias.zero_()
-
-
 def bench_dep_learner(
     p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype
 ) -> list[dict]:
@@ -241,7 +224,7 @@ def bench_dep_learner(
     )  # fmt: skip
     with torch.device(device):
         model = MiniMaxM3ForCausalLM(cfg)
-    _random_model_(model, torch.Generator(device).manual_seed(0))
+    random_model_(model, torch.Generator(device).manual_seed(0))
     apply_lora(model, LoRAConfig(r=32, alpha=64.0, routed_experts=True), seed=0)
     gen = torch.Generator(device).manual_seed(1 + groups.rank)  # every rank its own sequences
     ids_BS = torch.randint(3, cfg.vocab_size, (2, p["tokens"] // 2 + 1), generator=gen, device=device)
@@ -274,7 +257,74 @@ def bench_dep_learner(
                  dtype_rel_err=dtype_err, state_gb=state / 1e9, peak_gb=_peak_gb(device))]  # fmt: skip
 
 
-BENCHES = ("ep", "dcp", "dep_learner")
+# ---------------------------------------------------------------------------------- DEP engine
+def bench_dep_engine(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The native engine serving `engine_model` (random weights, NVFP4 routed experts and KV cache)
+    as one replica: a plain NativeEngine at world 1, a DEPEngine (data-parallel attention over the
+    ranks' own requests, experts sharded) at world W. Strong scaling: the same `engine_batches`
+    requests of `prompt_len` random tokens, `gen_tokens` greedy tokens each, split over the ranks.
+    Correctness (`greedy_match`): 4 requests' greedy tokens, fp32 model and cache, from the replica vs
+    the unsharded model's engine (mean fraction of each sequence equal before the first difference);
+    the timed runs are in the run's dtype."""
+    from rollout.engine import Request, SamplingParams
+    from rollout.native.dep import DEPEngine
+    from rollout.native.engine import NativeEngine
+
+    cfg = ModelConfig.preset(p["engine_model"])
+    with torch.device(device):
+        model = MiniMaxM3ForCausalLM(cfg)
+    random_model_(model, torch.Generator(device).manual_seed(0))
+    model.eval()  # fp32 for the correctness check: a random model's greedy tokens flip under bf16 noise
+    gen = torch.Generator().manual_seed(3)  # the same prompts on every rank
+    sp = SamplingParams(temperature=0.0, max_tokens=p["gen_tokens"], ignore_eos=True)
+
+    def requests(n: int) -> list[Request]:
+        ids = torch.randint(3, cfg.vocab_size, (n, p["prompt_len"]), generator=gen)
+        return [Request(row.tolist(), sp) for row in ids]
+
+    page = cfg.index_block_size
+    pages_per_seq = -(-(p["prompt_len"] + p["gen_tokens"] + 16) // page)
+
+    def engine(batch: int, kv: str = "nvfp4") -> NativeEngine:
+        return NativeEngine(model, max_pages=batch * pages_per_seq + 8, max_batch_tokens=4096,
+                            max_num_seqs=batch, kv_dtype=kv)  # fmt: skip
+
+    # The check runs an fp32 cache: NVFP4 KV rounding would turn fp32 summation-order noise in the
+    # EP combine into visible logit changes (and flipped greedy tokens) that say nothing about DEP.
+    check = requests(4)
+    ref = [c.token_ids for c in engine(4, "fp32").generate(check)]  # unsharded model, before EP
+    W = groups.world_size
+    if W > 1:
+        apply_expert_parallel(model, groups.ep_group)
+
+    def serve(reqs: list[Request], kv: str = "nvfp4") -> list:
+        eng = engine(len(reqs), kv)
+        return DEPEngine(eng, groups.ep_group).generate(reqs) if W > 1 else eng.generate(reqs)
+
+    got = [c.token_ids for c in serve(check, "fp32")]
+    # Mean fraction of each reference sequence reproduced before the first differing token.
+    match = statistics.mean(
+        next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
+        for a, b in zip(got, ref, strict=True)
+    )
+    model.to(dtype)  # timed in the run's dtype (bf16 on the GPU); NVFP4 banks keep their dtypes
+    experts = sum(
+        _bytes(*m.experts.buffers(recurse=False))
+        for m in model.modules()
+        if isinstance(m, (MoE, ExpertParallelMoE)) and hasattr(m, "experts")
+    )
+    rows = []
+    for batch in p["engine_batches"]:
+        reqs = requests(batch)
+        _reset_peak(device)
+        t = _timed(lambda reqs=reqs: serve(reqs), max(1, p["reps"] // 5), device)
+        rows.append(dict(bench=f"dep_engine_b{batch}", step_s=t, tokens=batch * p["gen_tokens"],
+                         rel_err=1.0 - match, greedy_match=match, state_gb=experts / 1e9,
+                         peak_gb=_peak_gb(device)))  # fmt: skip
+    return rows
+
+
+BENCHES = ("ep", "dcp", "dep_learner", "dep_engine")
 
 
 def bench_rank(p: dict, device_type: str, benches: tuple[str, ...] = BENCHES) -> list[dict]:
@@ -284,7 +334,7 @@ def bench_rank(p: dict, device_type: str, benches: tuple[str, ...] = BENCHES) ->
         torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     )
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    fns = {"ep": bench_ep, "dcp": bench_dcp, "dep_learner": bench_dep_learner}
+    fns = {"ep": bench_ep, "dcp": bench_dcp, "dep_learner": bench_dep_learner, "dep_engine": bench_dep_engine}
     rows = [row for name in benches for row in fns[name](p, groups, device, dtype)]
     for r in rows:
         r.update(world=groups.world_size, rank=groups.rank, device=device_type)
@@ -299,6 +349,8 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         first.pop("rank")
         first["step_s"] = max(r["step_s"] for r in rows)
         first["rel_err"] = max(r["rel_err"] for r in rows)
+        if "greedy_match" in first:
+            first["greedy_match"] = min(r["greedy_match"] for r in rows)
         if "dtype_rel_err" in first:
             first["dtype_rel_err"] = max(r["dtype_rel_err"] for r in rows)
         first["state_gb"] = max(r["state_gb"] for r in rows)
@@ -329,6 +381,8 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['tokens_per_s'] / base[r['bench']]:.2f}x" if r["bench"] in base else "-"
         peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "-"
         check = f"rel err {r['rel_err']:.1e}" + (", top-k identical" if r.get("topk_identical") else "")
+        if "greedy_match" in r:
+            check = f"greedy prefix equal (fp32): {r['greedy_match']:.0%}"
         if "dtype_rel_err" in r:
             check += f" (the dtype's own vs fp32: {r['dtype_rel_err']:.1e})"
         if r.get("topk_identical") is False:
