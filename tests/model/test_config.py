@@ -6,7 +6,8 @@ import json
 import pytest
 
 from model.capacity import num_parameters
-from model.config import IGNORED_HF_KEYS, PRESETS, ModelConfig, QuantConfig
+from model.config import PRESETS, ModelConfig, QuantConfig
+from model.hf_config import IGNORED_HF_KEYS
 
 
 def legacy_m3_text_dict() -> dict:
