@@ -1,7 +1,8 @@
 """Training configuration: a recipe (YAML) plus dotted overrides -> one validated `TrainConfig`.
 
 What: one dataclass per component (model, LoRA, data, rollout, reward, algorithm, optimizer,
-trainer, tracking, Ray), nested in `TrainConfig`; `load_config(recipe, overrides)` composes
+trainer, tracking, Ray; rl/config_sections.py), nested in `TrainConfig`, which checks the constraints
+that span sections; `load_config(recipe, overrides)` composes
 `recipes/<recipe>.yaml` (a recipe may start with `defaults: [other_recipe, ...]`, merged first, in
 order) with `key.sub=value` overrides; `save_config` / `config_from_yaml` write and read back the
 resolved config that every run directory keeps as `config.yaml`.
@@ -23,7 +24,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import typing
 from collections.abc import Sequence
@@ -35,452 +35,22 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.config import PRESETS, ModelConfig
+from model.config import ModelConfig
+from rl.config_sections import (
+    AlgoSection,
+    DataSection,
+    LoRASection,
+    ModelSection,
+    OptimSection,
+    RaySection,
+    RewardSection,
+    RolloutSection,
+    TrackingSection,
+    TrainerSection,
+    require,
+)
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-ModelDtype = Literal["fp32", "bf16"]
-AdapterDtype = Literal["float32", "bfloat16"]
-DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]
-RolloutBackend = Literal["native", "vllm"]
-ModelFamily = Literal["minimax_m3", "hf"]
-VLLMSync = Literal["auto", "tensors", "ramdir"]
-Placement = Literal["none", "pack", "spread"]
-SpecMode = Literal["fixed", "scheduled"]
-CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
-RewardKind = Literal["math_dapo"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-Device = Literal["cpu", "cuda"]
-LearnerParallel = Literal["dp", "dep"]
-EngineParallel = Literal["none", "dep"]
-TrackingMode = Literal["offline", "online", "disabled"]
-
-_WANDB_ENV_MODES: dict[str, TrackingMode] = {
-    "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
-}  # fmt: skip
-
-# Mirrors model.layers.lora.TargetModule (kept here so loading a config does not import torch;
-# tests/rl/test_config.py checks the two agree).
-LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
-    "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
-PROJECTOR_TARGETS = ("multi_modal_projector", "patch_merge_mlp")  # model.layers.lora.ProjectorTarget
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
-def _at_least(obj: Any, section: str, lo: float, *names: str) -> None:
-    """Each named field (None = unset, allowed) must be >= lo."""
-    for name in names:
-        value = getattr(obj, name)
-        _require(value is None or value >= lo, f"{section}.{name} must be >= {lo}, got {value}")
-
-
-# ---------------------------------------------------------------------------------------- sections
-@dataclass
-class ModelSection:
-    """The policy's base. `checkpoint` (a directory written by model/checkpoint.py) wins over
-    `preset` (model.config presets, random init) when both are set; `overrides` replaces
-    ModelConfig fields after either (e.g. `model.overrides.num_hidden_layers=2`)."""
-
-    # "minimax_m3": the project's model (model/modeling.py). "hf": a Hugging Face causal LM (Qwen3,
-    # Llama, ...) from `checkpoint`, NVFP4-quantized on load (model/hf_nvfp4.py), served by vLLM only.
-    family: ModelFamily = "minimax_m3"
-    preset: str | None = "tiny"
-    checkpoint: str | None = None
-    dtype: ModelDtype = "fp32"
-    overrides: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str = "byte"  # "byte" (rl/tokenizer.py) or a Hugging Face tokenizer name/path
-    # Build `checkpoint` with the arithmetic warm-up (rl/warmup.py) when it does not exist yet: the
-    # quickstart's base is made once on the user's machine and cached, not downloaded.
-    warmup: bool = False
-
-    def __post_init__(self) -> None:
-        _require(
-            self.preset is not None or self.checkpoint is not None,
-            "model: set model.preset or model.checkpoint (both are null)",
-        )
-        _require(
-            self.preset is None or self.preset in PRESETS,
-            f"model.preset: unknown preset {self.preset!r}; valid presets: {list(PRESETS)}",
-        )
-        valid = [f.name for f in dataclasses.fields(ModelConfig)]
-        unknown = [k for k in self.overrides if k not in valid]
-        _require(
-            not unknown,
-            f"model.overrides: unknown ModelConfig field(s) {unknown}; valid fields: {valid}",
-        )
-        _require(bool(self.tokenizer), "model.tokenizer must be 'byte' or a tokenizer name/path")
-        _require(
-            self.family != "hf" or self.checkpoint is not None,
-            "model.family=hf needs model.checkpoint=<Hugging Face model directory> "
-            "(presets are MiniMax-M3 only)",
-        )
-
-
-@dataclass
-class LoRASection:
-    """Adapter shape; mirrors model.layers.lora.LoRAConfig. gate/up/down target the dense-prefix MLP
-    and every MoE layer's shared expert; routed experts are a separate switch."""
-
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    routed_experts: bool = False
-    dtype: AdapterDtype = "float32"
-    # Vision models: adapt the image projector too (multi_modal_projector / patch_merge_mlp); the
-    # tower stays frozen. Native backend only (vLLM's LoRA does not cover the projector).
-    projector_modules: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        _require(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
-        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
-        _require(
-            not bad, f"lora.projector_modules: unknown module(s) {bad}; valid: {list(PROJECTOR_TARGETS)}"
-        )
-        _require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
-        _require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
-        _require(not bad, f"lora.target_modules: unknown module(s) {bad}; valid: {list(LORA_TARGETS)}")
-        _require(
-            bool(self.target_modules) or self.routed_experts or bool(self.projector_modules),
-            "lora: no adapter target (target_modules and projector_modules are empty and routed_experts "
-            "is false)",
-        )
-
-
-@dataclass
-class DataSection:
-    """Prompts. `dapo_math`: the hub datasets `hub_train` / `hub_eval` first, falling back to the
-    local parquet files `train_path` / `eval_path` (verl schema) when the hub is unreachable.
-    `geo_vision`: image+text math prompts in the Geometry3K format (rl/geo_data.py), the same hub-then-
-    local order, reading the hub splits `hub_train_split` / `hub_eval_split`; rows with more than
-    `max_images` images or an image over `max_image_pixels` (width x height) are skipped.
-    `arithmetic`: a synthetic dataset (rl/data.py) of `num_train` / `num_eval` problems over
-    integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format."""
-
-    kind: DataKind = "arithmetic"
-    train_path: str | None = None
-    eval_path: str | None = None
-    hub_train: str | None = None
-    hub_eval: str | None = None
-    # geo_vision only (DAPO-Math-17K and AIME-2024 on the hub have a single "train" split).
-    hub_train_split: str = "train"
-    hub_eval_split: str = "test"
-    max_images: int = 1
-    max_image_pixels: int = 1 << 24  # rl.data.MAX_IMAGE_PIXELS
-    max_prompt_tokens: int = 512
-    num_train: int = 4096
-    num_eval: int = 128
-    max_operand: int = 50
-    ops: list[str] = field(default_factory=lambda: ["+", "-"])
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _at_least(self, "data", 1, "max_prompt_tokens", "max_images", "max_image_pixels")
-        _require(
-            bool(self.hub_train_split) and bool(self.hub_eval_split),
-            "data.hub_train_split / data.hub_eval_split must name a split (e.g. train, test)",
-        )
-        if self.kind == "arithmetic":
-            _at_least(self, "data", 1, "num_train", "max_operand")
-            _at_least(self, "data", 0, "num_eval")
-            bad = [op for op in self.ops if op not in ("+", "-", "*")]
-            _require(
-                bool(self.ops) and not bad, f"data.ops must be a non-empty subset of [+, -, *]: {self.ops}"
-            )
-        else:
-            _require(
-                self.train_path is not None or self.hub_train is not None,
-                f"data: kind={self.kind!r} needs data.hub_train or data.train_path",
-            )
-
-
-@dataclass
-class DSparkSection:
-    """DSpark speculative decoding in the native engine (rollout/dspark). `drafter`: a directory
-    holding `dspark/` (python -m rollout.dspark.train); None = no speculation. `mode`: how many
-    drafts are verified per step ("scheduled" by the drafter's confidence, or all: "fixed").
-    `cotrain`: distil the drafter on the rollouts of the last `cotrain_replay_steps` steps
-    (`cotrain_steps` optimizer steps at `cotrain_lr`, every `cotrain_every` steps; `cotrain_focus`
-    > 0 weights the positions whose drafts would be rejected more) and publish it to every engine,
-    so acceptance follows the changing policy (rollout/dspark/cotrain.py)."""
-
-    drafter: str | None = None
-    mode: SpecMode = "scheduled"
-    cotrain: bool = False
-    cotrain_steps: int = 20
-    cotrain_lr: float = 5e-4
-    cotrain_every: int = 1
-    cotrain_replay_steps: int = 4
-    cotrain_focus: float = 0.0
-
-    def __post_init__(self) -> None:
-        _at_least(self, "rollout.dspark", 1, "cotrain_steps", "cotrain_every", "cotrain_replay_steps")
-        _require(self.cotrain_lr > 0, f"rollout.dspark.cotrain_lr must be > 0, got {self.cotrain_lr}")
-        _require(
-            self.cotrain_focus >= 0, f"rollout.dspark.cotrain_focus must be >= 0, got {self.cotrain_focus}"
-        )
-        _require(
-            not self.cotrain or self.drafter is not None,
-            "rollout.dspark.cotrain=true needs rollout.dspark.drafter=DIR (a drafter to start from; "
-            "python -m rollout.dspark.train builds one)",
-        )
-
-
-@dataclass
-class RolloutSection:
-    """Generation. `n_samples` is G (completions per prompt). `kv_cache_dtype` / `index_cache_dtype`
-    None = the model config's. Native engine: `max_pages` pages of one MSA block each,
-    `max_batch_tokens` per forward, `max_num_seqs` running sequences. vLLM: `tensor_parallel_size`
-    and `gpu_memory_utilization`. `num_gpus` is the Ray GPU request per worker, `torch_threads` its
-    CPU threads. `engine_parallel=dep` makes each of the `num_workers` replicas `engine_ranks` Ray
-    actors (one process and `num_gpus` GPUs each) forming one DEP engine (rollout/native/dep.py,
-    rl/dep_rollout.py): attention data parallel (each rank its own requests and KV cache), routed
-    experts sharded over the ranks, tokens exchanged by all-to-all; "none" = one process per replica."""
-
-    backend: RolloutBackend = "native"
-    num_workers: int = 1
-    n_samples: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
-    kv_cache_dtype: CacheDtype | None = None
-    index_cache_dtype: CacheDtype | None = None
-    max_pages: int = 512
-    max_batch_tokens: int = 512
-    max_num_seqs: int = 64
-    num_gpus: float = 0.0
-    engine_parallel: EngineParallel = "none"
-    engine_ranks: int = 1
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
-    torch_threads: int = 1
-    # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
-    # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
-    # drafter is rollout.dspark.drafter.
-    dspark: DSparkSection = field(default_factory=DSparkSection)
-    vllm_sync: VLLMSync = "auto"
-    vllm_dtype: ModelDtype | None = None
-    max_model_len: int = 2048
-
-    def __post_init__(self) -> None:
-        _at_least(self, "rollout", 1, "num_workers", "n_samples", "max_tokens", "max_pages", "max_model_len")
-        _at_least(
-            self, "rollout", 1, "max_batch_tokens", "max_num_seqs", "tensor_parallel_size", "torch_threads"
-        )
-        _at_least(self, "rollout", 1, "engine_ranks")
-        if self.engine_parallel == "none":
-            _require(
-                self.engine_ranks == 1,
-                f"rollout.engine_ranks={self.engine_ranks} needs rollout.engine_parallel=dep (ranks per "
-                "replica); with engine_parallel=none set rollout.engine_ranks=1",
-            )
-        else:
-            _require(
-                self.engine_ranks >= 2,
-                f"rollout.engine_parallel=dep needs rollout.engine_ranks >= 2 (got {self.engine_ranks}); "
-                "for one process per replica set rollout.engine_parallel=none",
-            )
-            _require(
-                self.backend == "native",
-                f"rollout.engine_parallel=dep is a native-engine layout (rollout.backend={self.backend!r}): "
-                "set rollout.backend=native, or rollout.engine_parallel=none for vLLM",
-            )
-            _require(
-                self.dspark.drafter is None,
-                "rollout.engine_parallel=dep does not run DSpark speculation yet (its draft and verify "
-                "passes are not lockstepped over the replica): set rollout.dspark.drafter=null or "
-                "rollout.engine_parallel=none",
-            )
-        _at_least(self, "rollout", 0, "temperature", "num_gpus")
-        _require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        _require(
-            0 < self.gpu_memory_utilization <= 1,
-            f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-        )
-
-
-@dataclass
-class RewardSection:
-    """Scoring: verl's math_dapo (+1 / -1 on the last "Answer:" line) in `num_workers` processes with
-    a per-sample `timeout_s` and, when set, `batch_timeout_s` for a worker's whole batch (samples
-    still unscored then get -1 and count as `reward/errors/timeout`). DAPO overlong shaping: a
-    response longer than max_tokens - overlong_buffer loses up to `overlong_penalty`, linearly over
-    the buffer (0 = off)."""
-
-    kind: RewardKind = "math_dapo"
-    num_workers: int = 1
-    timeout_s: float = 5.0
-    batch_timeout_s: float | None = None
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        _at_least(self, "reward", 1, "num_workers")
-        _at_least(self, "reward", 0, "overlong_buffer", "overlong_penalty")
-        _require(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
-        _require(
-            self.batch_timeout_s is None or self.batch_timeout_s > 0,
-            f"reward.batch_timeout_s must be null or > 0, got {self.batch_timeout_s}",
-        )
-
-
-@dataclass
-class AlgoSection:
-    """GRPO / DAPO. `batch_prompts` (B) prompts x G samples per step; clip range [1 - eps_low,
-    1 + eps_high]; `kl_coef` > 0 adds the k3 KL to the base; `tis_cap` caps the token-level
-    importance ratio learner/rollout (None = off); dynamic sampling drops zero-variance groups and
-    regenerates up to `max_regen_rounds` times. `mini_batch_prompts` splits a step's batch into
-    optimizer updates of that many prompts' groups (None = one update per step, as GRPO's default;
-    DAPO uses 32 of 512), repeated `ppo_epochs` times."""
-
-    batch_prompts: int = 8
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    loss_agg: LossAgg = "token-mean"
-    kl_coef: float = 0.0
-    tis_cap: float | None = 2.0
-    dynamic_sampling: bool = True
-    max_regen_rounds: int = 3
-    ppo_epochs: int = 1
-    mini_batch_prompts: int | None = None
-
-    def __post_init__(self) -> None:
-        _at_least(self, "algo", 1, "batch_prompts", "ppo_epochs")
-        _at_least(self, "algo", 0, "eps_high", "kl_coef", "max_regen_rounds")
-        _require(0 <= self.eps_low < 1, f"algo.eps_low must be in [0, 1), got {self.eps_low}")
-        _require(
-            self.tis_cap is None or self.tis_cap > 0, f"algo.tis_cap must be > 0 or null: {self.tis_cap}"
-        )
-        mb = self.mini_batch_prompts
-        _require(
-            mb is None or (mb >= 1 and self.batch_prompts % mb == 0),
-            f"algo.mini_batch_prompts must divide algo.batch_prompts={self.batch_prompts}, got {mb}",
-        )
-
-
-@dataclass
-class OptimSection:
-    """AdamW over the adapter parameters only; linear warm-up over `warmup_steps` trainer steps (the
-    schedule advances once per GRPO step, as verl's, however many mini-batch updates a step makes),
-    then constant; global grad-norm clipping at `grad_clip` (0 = off)."""
-
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-
-    def __post_init__(self) -> None:
-        _require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
-        _at_least(self, "optim", 0, "weight_decay", "warmup_steps", "grad_clip")
-        _require(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1), got {self.betas}")
-        _require(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
-
-
-@dataclass
-class TrainerSection:
-    """The step loop. `eval_every` / `save_every` in steps (0 = never); evaluation samples
-    `eval_n_samples` completions per eval prompt (avg@k) at `eval_temperature` / `eval_top_p`.
-    `micro_batch_size` sequences per learner forward/backward. `kv_sim` makes the learner's attention
-    see K/V through the engine's cache quantization. `num_learners` learner actors (data parallel:
-    each takes a shard of every mini-batch, LoRA gradients are all-reduced, so all hold the same
-    adapter) request `num_gpus` each; `learner_parallel=dep` also shards the routed experts and their
-    adapters over the learners (attention data parallel, MoE expert parallel: tokens exchanged by
-    all-to-all; model/parallel/dep_learner.py); `torch_threads` CPU threads per learner;
-    `keep_checkpoints` is how many step checkpoints stay."""
-
-    total_steps: int = 100
-    micro_batch_size: int = 8
-    eval_every: int = 10
-    eval_n_samples: int = 1
-    eval_temperature: float = 0.0
-    eval_top_p: float = 1.0
-    save_every: int = 50
-    keep_checkpoints: int = 3
-    seed: int = 0
-    gradient_checkpointing: bool = False
-    device: Device = "cpu"
-    kv_sim: bool = False
-    num_learners: int = 1
-    learner_parallel: LearnerParallel = "dp"
-    num_gpus: float = 0.0
-    torch_threads: int = 1
-    # Reliability: a rollout/reward actor that dies is restarted up to `max_restarts` times (its
-    # work re-run, the current adapter re-sent); `max_nonfinite_steps` consecutive NaN/inf losses or
-    # gradients abort the run (each one skips its optimizer step); `fault_injection` is for the
-    # reliability tests only (rl/faults.py).
-    max_restarts: int = 3
-    max_nonfinite_steps: int = 3
-    fault_injection: str | None = None
-
-    def __post_init__(self) -> None:
-        _at_least(self, "trainer", 1, "total_steps", "micro_batch_size", "eval_n_samples")
-        _at_least(
-            self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads", "max_nonfinite_steps"
-        )
-        _at_least(self, "trainer", 0, "max_restarts")
-        from rl.faults import parse as parse_faults
-
-        parse_faults(self.fault_injection)
-        _at_least(self, "trainer", 0, "eval_every", "save_every", "eval_temperature", "num_gpus")
-        _require(0 < self.eval_top_p <= 1, f"trainer.eval_top_p must be in (0, 1], got {self.eval_top_p}")
-
-
-@dataclass
-class TrackingSection:
-    """Weights & Biases. `mode` None = WANDB_MODE if set, else online iff WANDB_API_KEY is set, else
-    offline (see `resolved_mode`); `log_samples` completions per step go to the samples table."""
-
-    mode: TrackingMode | None = None
-    project: str = "nvfp4-rl"
-    entity: str | None = None
-    run_name: str | None = None
-    tags: list[str] = field(default_factory=list)
-    log_samples: int = 8
-
-    def __post_init__(self) -> None:
-        _require(bool(self.project), "tracking.project must be a non-empty string")
-        _at_least(self, "tracking", 0, "log_samples")
-
-    def resolved_mode(self) -> TrackingMode:
-        """`mode` if set; else W&B's own WANDB_MODE variable if set; else online iff WANDB_API_KEY."""
-        if self.mode is not None:
-            return self.mode
-        env = _WANDB_ENV_MODES.get(os.environ.get("WANDB_MODE", "").strip().lower())
-        if env is not None:
-            return env
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
-
-@dataclass
-class RaySection:
-    """`address` None starts an embedded local Ray instance; "auto" or host:port joins a cluster.
-    `placement`: "none" lets Ray place actors freely; "pack" / "spread" reserve one placement-group
-    bundle per learner and rollout worker (their `num_gpus`, plus `bundle_cpus` CPUs) first, so a
-    run either gets its whole layout or waits, and learners / engines land together ("pack") or on
-    different nodes where possible ("spread")."""
-
-    address: str | None = None
-    num_cpus: int | None = None
-    num_gpus: int | None = None
-    placement: Placement = "none"
-    bundle_cpus: float = 0.01
-
-    def __post_init__(self) -> None:
-        _at_least(self, "ray", 1, "num_cpus")
-        _at_least(self, "ray", 0, "num_gpus")
-        _require(
-            self.bundle_cpus > 0,
-            f"ray.bundle_cpus must be > 0 (Ray bundles need a resource), got {self.bundle_cpus}",
-        )
 
 
 @dataclass
@@ -504,24 +74,24 @@ class TrainConfig:
     ray: RaySection = field(default_factory=RaySection)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.reward.overlong_buffer < self.rollout.max_tokens,
             f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens "
             f"({self.rollout.max_tokens})",
         )
-        _require(self.resume != "", "resume must be null, 'auto' or a checkpoint path (got '')")
-        _require(
+        require(self.resume != "", "resume must be null, 'auto' or a checkpoint path (got '')")
+        require(
             self.model.family != "hf" or self.rollout.backend == "vllm",
             "model.family=hf runs on the vLLM backend only (the native engine serves MiniMax-M3): "
             "set rollout.backend=vllm",
         )
-        _require(
+        require(
             not self.lora.projector_modules
             or (self.rollout.backend == "native" and self.model.family == "minimax_m3"),
             "lora.projector_modules adapts the vision projector, which only the native engine serves with "
             "an adapter: set rollout.backend=native (model.family=minimax_m3) or lora.projector_modules=[]",
         )
-        _require(
+        require(
             self.trainer.learner_parallel == "dp" or self.model.family == "minimax_m3",
             "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
             "use trainer.learner_parallel=dp",
@@ -529,7 +99,7 @@ class TrainConfig:
         if self.rollout.engine_parallel == "dep":
             self._check_dep_engine()
         if self.trainer.device == "cpu":
-            _require(
+            require(
                 self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,
                 "trainer.device=cpu but rollout.num_gpus / trainer.num_gpus ask for GPUs; "
                 "set trainer.device=cuda or the GPU counts to 0",
@@ -538,7 +108,7 @@ class TrainConfig:
     def _check_dep_engine(self) -> None:
         """rollout.engine_parallel=dep shards routed experts: the model must have them, evenly."""
         ranks = self.rollout.engine_ranks
-        _require(
+        require(
             self.model.family == "minimax_m3",
             "rollout.engine_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
             "use rollout.engine_parallel=none",
@@ -552,12 +122,12 @@ class TrainConfig:
             where = f"model.preset={self.model.preset}"
         else:  # a checkpoint that does not exist yet: prepare_base reports it
             return
-        _require(
+        require(
             "sparse" in mcfg.mlp_layer_types,
             f"rollout.engine_parallel=dep: {where} has no MoE layer (routed experts) to shard; use "
             "rollout.engine_parallel=none",
         )
-        _require(
+        require(
             mcfg.num_local_experts % ranks == 0,
             f"rollout.engine_parallel=dep: {where} has {mcfg.num_local_experts} routed experts, not "
             f"divisible by rollout.engine_ranks={ranks}; pick engine_ranks dividing {mcfg.num_local_experts}",
@@ -584,7 +154,7 @@ def load_config(
         key, sep, value = item.partition("=")
         key = key.strip()
         where = f"override {_clip(item)!r}"
-        _require(bool(sep) and bool(key), f"{where} is not key=value (e.g. trainer.total_steps=5)")
+        require(bool(sep) and bool(key), f"{where} is not key=value (e.g. trainer.total_steps=5)")
         if key == "recipe":
             raise ValueError("'recipe' cannot be overridden; pass it as recipe=NAME to the entry point")
         _check_key_path(key.split("."), where)
@@ -634,7 +204,7 @@ def _lists(value: Any) -> Any:
 # -------------------------------------------------------------------------------------- internals
 def _load_yaml(path: Path) -> dict[str, Any]:
     body = yaml.safe_load(path.read_text()) or {}
-    _require(isinstance(body, dict), f"{path}: a recipe must be a YAML mapping, got {type(body).__name__}")
+    require(isinstance(body, dict), f"{path}: a recipe must be a YAML mapping, got {type(body).__name__}")
     return body
 
 
@@ -654,7 +224,7 @@ def _compose_file(path: Path, rdir: Path, chain: tuple[str, ...]) -> dict[str, A
     bases = body.pop("defaults", []) or []
     if isinstance(bases, str):
         bases = [bases]
-    _require(
+    require(
         isinstance(bases, list) and all(isinstance(b, str) for b in bases),
         f"{path}: 'defaults' must be a list of recipe names, got {bases!r}",
     )

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rl.config import TrackingSection
+from rl.config_sections import TrackingSection
 
 log = logging.getLogger(__name__)
 

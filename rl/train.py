@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
     for arg in argv:
         if arg in ("-h", "--help"):
             raise SystemExit(
-                f"{USAGE}\n\nrecipes live in recipes/*.yaml; every key is documented in rl/config.py"
+                f"{USAGE}\n\nrecipes live in recipes/*.yaml; every key is documented in rl/config_sections.py"
             )
         if "=" not in arg:
             raise ValueError(f"argument {arg!r} is not key=value; {USAGE}")

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from rl.config import (
-    LORA_TARGETS,
     TrainConfig,
     available_recipes,
     config_from_yaml,
@@ -17,6 +16,7 @@ from rl.config import (
     load_config,
     save_config,
 )
+from rl.config_sections import LORA_TARGETS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -223,7 +223,7 @@ def test_projector_modules_are_checked_and_need_the_native_engine():
 
 def test_projector_targets_match_the_lora_module():
     from model.layers.lora import PROJECTOR_TARGETS as MODEL_PROJECTOR_TARGETS
-    from rl.config import PROJECTOR_TARGETS
+    from rl.config_sections import PROJECTOR_TARGETS
 
     assert PROJECTOR_TARGETS == MODEL_PROJECTOR_TARGETS
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from rl.config import TrackingSection
+from rl.config_sections import TrackingSection
 from rl.tracking import Tracker, plot_rewards, read_metrics, read_wandb_file, read_wandb_offline
 
 pytest.importorskip("wandb")
