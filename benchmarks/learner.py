@@ -1,6 +1,6 @@
 """Learner throughput and memory (issue 10 item 3): NVFP4 base + rank-32 LoRA vs a bf16 dequantized twin.
 
-One learner step as rl/workers.py's Learner runs it, called directly (no Ray): token log-probs of a
+One learner step as rl/learner.py's Learner runs it, called directly (no Ray): token log-probs of a
 packed, padded batch through the model (with the KV simulation the engine's cache implies), the DAPO
 clipped policy loss (rl.grpo.policy_loss), backward into the adapter only, one AdamW step. Two models
 with identical weights, built and measured one at a time (so each peak is its own):

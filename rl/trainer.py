@@ -29,8 +29,9 @@ from rl.config import TrainConfig, config_to_dict, save_config
 from rl.data import skipped_row_metrics
 from rl.dep_rollout import DEPReplica, DEPRolloutRank, fetch, replica_size
 from rl.faults import maybe_fail
+from rl.learner import Learner
 from rl.rewards import reward_error_metrics
-from rl.workers import Learner, RewardWorker, RolloutWorker, Sample
+from rl.workers import RewardWorker, RolloutWorker, Sample
 
 
 def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:

@@ -30,8 +30,9 @@ from model.parallel.dep_learner import (
 from model.parallel.expert_parallel import ExpertParallelMoE
 from model.parallel.groups import launch_local
 from rl.config import load_config
+from rl.learner import Learner
 from rl.trainer import prepare_base
-from rl.workers import Learner, Sample
+from rl.workers import Sample
 
 SCALED_TOL = 1e-5  # of the reference tensor's largest magnitude (gradients here are ~1e-4, moments ~1e-9)
 # Adapters after Adam steps: elements whose gradient is at float-noise level move by a noise-level

@@ -14,8 +14,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
+from rl.learner import Learner  # noqa: E402
 from rl.trainer import Trainer, prepare_base  # noqa: E402
-from rl.workers import Learner, Sample  # noqa: E402
+from rl.workers import Sample  # noqa: E402
 
 QUICK = (
     "model.checkpoint=null", "model.warmup=false", "data.num_train=64", "data.num_eval=8",

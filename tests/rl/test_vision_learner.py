@@ -19,7 +19,8 @@ from model.modeling import MiniMaxM3ForCausalLM
 from model.vision import ImageInputError
 from rl.config import load_config
 from rl.data import Prompt
-from rl.workers import Learner, RolloutWorker, Sample, _collate
+from rl.learner import Learner, collate
+from rl.workers import RolloutWorker, Sample
 
 OVERRIDES = (
     "model.checkpoint=null", "model.warmup=false", "model.dtype=fp32", "model.tokenizer=byte",
@@ -79,7 +80,7 @@ def test_learner_logprobs_with_images_equal_rollout_logprobs_in_a_mixed_batch(vl
     placeholder = learner.model.vision.config.image_token_id
     assert img[0].prompt_ids.count(placeholder) == sum(im.num_tokens for im in img[0].images)
     assert txt[0].prompt_ids == worker.tokenizer.encode("1+2=\n")  # the text path is unchanged
-    batch = _collate(samples, learner.model.vision_token_ids)
+    batch = collate(samples, learner.model.vision_token_ids)
     assert len(batch["images"]) == 4
     with torch.no_grad():
         logp_BT, _ = learner._logprobs(batch, with_entropy=False)
@@ -107,7 +108,7 @@ def test_train_step_on_image_samples_moves_the_adapter_not_the_tower(vl):
 def test_collate_never_targets_image_ids_even_inside_a_response():
     s = Sample(uid="u", prompt_ids=[1, 502, 500, 503, 7], response_ids=[8, 500, 9],
                rollout_logprobs=[0.0] * 3, finish_reason="length", adapter_version=0)  # fmt: skip
-    batch = _collate([s], (500, 501, 502, 503))
+    batch = collate([s], (500, 501, 502, 503))
     assert batch["mask"][0].tolist() == [0, 0, 0, 0, 1, 0, 1]
     assert batch["images"] == []
 
