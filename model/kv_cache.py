@@ -208,6 +208,9 @@ class KVCache:
         self.config = config
         self.num_pages = num_pages
         self.page_size = config.index_block_size
+        # Tokens one block-table entry (one scheduler page) covers: a page here; a DCP shard's entry
+        # stands for one page on each of its W ranks (model.parallel.context_parallel.DCPKVCache).
+        self.table_page_size = self.page_size
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.index_head_dim = config.index_head_dim

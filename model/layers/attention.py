@@ -11,7 +11,8 @@ What: one `Attention` module per layer with two entry points.
   must start at position 0 within the batch row for its selection to equal the engine's (the
   blocks of an absent prefix would still be candidates and forced init blocks).
 - `forward_cached` (engine): flattened varlen tokens of several sequences; appends K/V (and
-  index keys) to the paged `KVCache`, then runs the paged ops in `model.kernels`.
+  index keys) to the paged `KVCache`, then runs the paged ops in `model.kernels`; with a
+  `DCPKVCache` (decode-context parallel: a rank holds every W-th page) the cache's DCP path.
 
 MSA (sparse layers, FACTS section 2): the lightning indexer (index_q_proj: N heads,
 index_k_proj: ONE shared head, own norms, same partial RoPE) scores key blocks by the max raw
@@ -47,6 +48,7 @@ from model.kernels.sparse_attention import (
 from model.kv_cache import DEFAULT_KV_SCALE, KVCache, KVDtype, check_kv_dtype, kv_quant_dequant, slot_mapping
 from model.layers.norm import RMSNorm
 from model.layers.rope import apply_rope, rope_cos_sin
+from model.parallel.context_parallel import DCPKVCache
 
 __all__ = ["Attention", "select_blocks"]
 
@@ -316,6 +318,13 @@ class Attention(nn.Module):
             raise ValueError(f"cache page size {cache.page_size} != sparse block size {self.block_size}")
         T = x_TD.shape[0]
         q, k, v, index_q, index_k = self._project(x_TD, positions_T)
+        if isinstance(cache, DCPKVCache):  # decode-context parallel: this rank holds 1/W of the pages
+            out_THC = cache.attend_cached(
+                self.layer_idx, q, k, v, index_q, index_k, block_tables_BP=block_tables_BP,
+                seq_idx_T=seq_idx_T, positions_T=positions_T, seq_lens_B=seq_lens_B,
+                softmax_scale=self.softmax_scale,
+            )  # fmt: skip
+            return self.o_proj(out_THC.reshape(T, self.num_heads * self.head_dim))
         slots_T = slot_mapping(block_tables_BP, seq_idx_T, positions_T, cache.page_size)
         cache.append(self.layer_idx, slots_T, k, v, index_k)
         selected_TNK = None

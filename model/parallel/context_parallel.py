@@ -24,6 +24,14 @@ and P.V in fp32 as `model.kernels.sparse_attention`; the output has q's dtype. T
 compute is the batched torch path (the Triton kernels fuse top-k / the LSE merge and do not expose
 scores or LSEs yet). Equal to the single-rank ops up to fp32 summation order; top-k sets identical.
 
+Engine cache (`DCPKVCache`): a rank's share of a DCP replica's paged cache. One block-table entry
+(a scheduler page) covers W * page_size tokens: entry e names local page table[e] on EVERY rank,
+which holds block e * W + rank there. So the engine's block table is the `DCPLayout` local table
+as is, page allocation, prefix sharing and copy-on-write stay rank-agnostic (every rank runs the
+same scheduler), and W ranks of M pages each hold W times the context of one M-page cache.
+`attend_cached` is the attention layers' engine path in DCP mode: append the owned tokens, select
+blocks, attend.
+
 Invariants: every rank of the group calls each function with the same tokens (queries, positions,
 global `seq_lens_B`) and its own pages; a world of 1 runs no collective.
 
@@ -39,10 +47,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model.kv_cache import GATHER_CHUNK_BYTES, PagedIndex, PagedKV, dequantize_kv, gather_sequences
+from model.config import ModelConfig
+from model.kv_cache import (
+    GATHER_CHUNK_BYTES,
+    KVCache,
+    KVDtype,
+    PagedIndex,
+    PagedKV,
+    dequantize_kv,
+    gather_sequences,
+)
 from model.parallel.groups import group_rank, group_size
 
 __all__ = [
+    "DCPKVCache",
     "DCPLayout",
     "dcp_index_local_topk",
     "dcp_index_select_blocks",
@@ -337,3 +355,71 @@ def dcp_sparse_attention(
     )  # fmt: skip
     merged = merge_attention_partials(_all_gather(out_THC, group), _all_gather(lse_TH, group))
     return merged.to(q_THC.dtype)
+
+
+# --------------------------------------------------------------------------------- engine cache
+class DCPKVCache(KVCache):
+    """This rank's share of a DCP replica's paged cache (layout in the module docstring).
+
+    `num_pages` local pages are the scheduler's to hand out; one more, `trash_page`, never in a
+    block table, takes the appends of tokens whose block another rank owns, so an append stays one
+    fixed-shape scatter with no host sync (its contents are garbage and never read)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        dtype: KVDtype | None = None,
+        index_dtype: KVDtype | None = None,
+    ):
+        super().__init__(config, num_pages + 1, device=device, dtype=dtype, index_dtype=index_dtype)
+        self.group = group
+        self.layout = DCPLayout.for_group(group, self.page_size)
+        self.table_page_size = self.page_size * self.layout.world
+        self.trash_page = num_pages
+
+    def local_slots(
+        self, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor
+    ) -> torch.Tensor:
+        """Local cache slot of every token: its block's local page if this rank owns the block,
+        else a slot of `trash_page`."""
+        W, page = self.layout.world, self.page_size
+        block_T = positions_T // page
+        page_T = block_tables_BP[seq_idx_T, block_T // W].long()
+        page_T = torch.where(block_T % W == self.layout.rank, page_T, self.trash_page)
+        return page_T * page + positions_T % page
+
+    def attend_cached(
+        self,
+        layer: int,
+        q_THC: torch.Tensor,
+        k_TNC: torch.Tensor,
+        v_TNC: torch.Tensor,
+        index_q_TNC: torch.Tensor | None,
+        index_k_TC: torch.Tensor | None,
+        *,
+        block_tables_BP: torch.Tensor,
+        seq_idx_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """One attention layer's engine step in DCP mode -> [T, H, C] (q's dtype), equal on every
+        rank and to the single-rank `Attention.forward_cached` core: append this step's owned K/V
+        and index keys, select blocks (sparse layers: index_q given) and attend. Collective."""
+        slots_T = self.local_slots(block_tables_BP, seq_idx_T, positions_T)
+        self.append(layer, slots_T, k_TNC, v_TNC, index_k_TC)
+        selected_TNK = None
+        if index_q_TNC is not None:
+            cfg = self.config
+            selected_TNK = dcp_index_select_blocks(
+                index_q_TNC, self.index_view(layer), block_tables_BP, seq_idx_T, positions_T, seq_lens_B,
+                topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
+                init_blocks=cfg.index_init_blocks, group=self.group,
+            )  # fmt: skip
+        return dcp_sparse_attention(
+            q_THC, self.kv_view(layer), block_tables_BP, seq_idx_T, positions_T, seq_lens_B, selected_TNK,
+            softmax_scale=softmax_scale, group=self.group,
+        )  # fmt: skip

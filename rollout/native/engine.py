@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model.kv_cache import KVCache
 from model.modeling import MiniMaxM3ForCausalLM
 from model.vision.chat import check_placeholders
 from model.vision.lora import has_projector_lora
@@ -77,6 +78,9 @@ class NativeEngine:
     rollout.dspark.Drafter) turns on DSpark speculation with `spec` settings (default: fixed,
     the drafter's block size); scheduled mode profiles the step cost once, here.
     `image_cache_rows` bounds the image feature cache (rows = image tokens) of a vision model.
+    `cache` (instead of kv_dtype / index_dtype) serves a prebuilt cache with at least `max_pages`
+    pages, e.g. a decode-context-parallel shard (rollout/native/dcp.py); the scheduler's page is
+    its `table_page_size`.
     """
 
     def __init__(
@@ -92,12 +96,20 @@ class NativeEngine:
         drafter: Drafter | None = None,
         spec: SpecConfig | None = None,
         image_cache_rows: int = 8192,
+        cache: KVCache | None = None,
     ):
         self.model = model
         self.config = model.config
         self.device = model.lm_head.weight.device
-        self.cache = model.new_kv_cache(max_pages, dtype=kv_dtype, index_dtype=index_dtype)
-        self.scheduler = Scheduler(max_pages, self.cache.page_size, max_batch_tokens, max_num_seqs)
+        if cache is None:
+            cache = model.new_kv_cache(max_pages, dtype=kv_dtype, index_dtype=index_dtype)
+        elif kv_dtype is not None or index_dtype is not None or cache.num_pages < max_pages:
+            raise ValueError(
+                f"a prebuilt cache sets its own dtypes (got {kv_dtype=}, {index_dtype=}) and needs at "
+                f"least max_pages={max_pages} pages (has {cache.num_pages})"
+            )
+        self.cache = cache
+        self.scheduler = Scheduler(max_pages, cache.table_page_size, max_batch_tokens, max_num_seqs)
         self.detokenize = detokenize
         self.adapter_version = 0
         self._seed_gen = torch.Generator().manual_seed(seed)
@@ -117,6 +129,11 @@ class NativeEngine:
                 "no image features); build the engine without a drafter"
             )
         self.proposer = None
+        if drafter is not None and cache.table_page_size != cache.page_size:
+            raise ValueError(
+                "DSpark speculation does not support a decode-context-parallel cache yet (its drafter "
+                "cache and verify pass are single-rank); build the engine without a drafter"
+            )
         if drafter is not None:
             from rollout.dspark.proposer import Proposer
             from rollout.dspark.schedule import SpecConfig
@@ -185,7 +202,7 @@ class NativeEngine:
             )
         # The last sampled token is never run through the model, hence the - 1.
         longest = min(len(ids) + p.max_tokens, cfg.max_position_embeddings) - 1
-        need = -(-longest // self.cache.page_size)
+        need = -(-longest // self.scheduler.page_size)
         if need > self.scheduler.allocator.num_pages:
             raise ValueError(f"a sequence of up to {longest} cached tokens needs {need} pages but the cache "
                              f"has {self.scheduler.allocator.num_pages}")  # fmt: skip
