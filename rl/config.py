@@ -96,8 +96,8 @@ class TrainConfig:
             "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
             "use trainer.learner_parallel=dp",
         )
-        if self.rollout.engine_parallel == "dep":
-            self._check_dep_engine()
+        if self.rollout.engine_parallel != "none":
+            self._check_parallel_engine()
         if self.trainer.device == "cpu":
             require(
                 self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,
@@ -105,12 +105,15 @@ class TrainConfig:
                 "set trainer.device=cuda or the GPU counts to 0",
             )
 
-    def _check_dep_engine(self) -> None:
-        """rollout.engine_parallel=dep shards routed experts: the model must have them, evenly."""
-        ranks = self.rollout.engine_ranks
+    def _check_parallel_engine(self) -> None:
+        """rollout.engine_parallel=dep shards routed experts: the model must have them, evenly.
+        rollout.engine_parallel=dcp spreads the MSA KV / index-key pages: the model must have sparse
+        attention layers, and no vision tower (image prompts are untested through a DCP replica)."""
+        mode, ranks = self.rollout.engine_parallel, self.rollout.engine_ranks
+        what = "shards the MiniMax-M3 MoE experts" if mode == "dep" else "splits MiniMax-M3 sparse attention"
         require(
             self.model.family == "minimax_m3",
-            "rollout.engine_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
+            f"rollout.engine_parallel={mode} {what}; model.family=hf has none: "
             "use rollout.engine_parallel=none",
         )
         # The checkpoint's config when it exists (warm-up builds a missing one from the preset).
@@ -121,6 +124,18 @@ class TrainConfig:
             mcfg = dataclasses.replace(ModelConfig.preset(self.model.preset), **dict(self.model.overrides))
             where = f"model.preset={self.model.preset}"
         else:  # a checkpoint that does not exist yet: prepare_base reports it
+            return
+        if mode == "dcp":
+            require(
+                "minimax_m3_sparse" in mcfg.layer_types,
+                f"rollout.engine_parallel=dcp: {where} has no sparse attention layer (MSA), whose KV and "
+                "index-key pages DCP spreads over the ranks; use rollout.engine_parallel=none",
+            )
+            require(
+                mcfg.vision_config is None,
+                f"rollout.engine_parallel=dcp: {where} has a vision tower; image prompts through a DCP "
+                "replica are not supported yet: use rollout.engine_parallel=none",
+            )
             return
         require(
             "sparse" in mcfg.mlp_layer_types,

@@ -34,7 +34,7 @@ RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Device = Literal["cpu", "cuda"]
 LearnerParallel = Literal["dp", "dep"]
-EngineParallel = Literal["none", "dep"]
+EngineParallel = Literal["none", "dep", "dcp"]
 TrackingMode = Literal["offline", "online", "disabled"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
@@ -216,13 +216,18 @@ class DSparkSection:
 @dataclass
 class RolloutSection:
     """Generation. `n_samples` is G (completions per prompt). `kv_cache_dtype` / `index_cache_dtype`
-    None = the model config's. Native engine: `max_pages` pages of one MSA block each,
-    `max_batch_tokens` per forward, `max_num_seqs` running sequences. vLLM: `tensor_parallel_size`
-    and `gpu_memory_utilization`. `num_gpus` is the Ray GPU request per worker, `torch_threads` its
-    CPU threads. `engine_parallel=dep` makes each of the `num_workers` replicas `engine_ranks` Ray
-    actors (one process and `num_gpus` GPUs each) forming one DEP engine (rollout/native/dep.py,
-    rl/dep_rollout.py): attention data parallel (each rank its own requests and KV cache), routed
-    experts sharded over the ranks, tokens exchanged by all-to-all; "none" = one process per replica."""
+    None = the model config's. Native engine: `max_pages` pages of one MSA block each (per process:
+    per rank of a multi-rank replica), `max_batch_tokens` per forward, `max_num_seqs` running
+    sequences. vLLM: `tensor_parallel_size` and `gpu_memory_utilization`. `num_gpus` is the Ray GPU
+    request per worker (per rank), `torch_threads` its CPU threads. `engine_parallel` != "none" makes
+    each of the `num_workers` replicas `engine_ranks` Ray actors (one process and `num_gpus` GPUs each)
+    in one torch.distributed group (rl/dep_rollout.py):
+      - "dep" (rollout/native/dep.py): attention data parallel (each rank its own requests and KV
+        cache), routed experts sharded over the ranks, tokens exchanged by all-to-all;
+      - "dcp" (rollout/native/dcp.py): decode-context parallel: every rank holds the whole model and
+        runs every request but keeps only every W-th KV / index-key page of each sequence, so a replica
+        of W ranks with `max_pages` each holds W x the context of one `max_pages` engine;
+    "none" = one process per replica."""
 
     backend: RolloutBackend = "native"
     num_workers: int = 1
@@ -258,25 +263,25 @@ class RolloutSection:
         if self.engine_parallel == "none":
             require(
                 self.engine_ranks == 1,
-                f"rollout.engine_ranks={self.engine_ranks} needs rollout.engine_parallel=dep (ranks per "
-                "replica); with engine_parallel=none set rollout.engine_ranks=1",
+                f"rollout.engine_ranks={self.engine_ranks} needs rollout.engine_parallel=dep or dcp (ranks "
+                "per replica); with engine_parallel=none set rollout.engine_ranks=1",
             )
         else:
+            mode = f"rollout.engine_parallel={self.engine_parallel}"
             require(
                 self.engine_ranks >= 2,
-                f"rollout.engine_parallel=dep needs rollout.engine_ranks >= 2 (got {self.engine_ranks}); "
+                f"{mode} needs rollout.engine_ranks >= 2 (got {self.engine_ranks}); "
                 "for one process per replica set rollout.engine_parallel=none",
             )
             require(
                 self.backend == "native",
-                f"rollout.engine_parallel=dep is a native-engine layout (rollout.backend={self.backend!r}): "
+                f"{mode} is a native-engine layout (rollout.backend={self.backend!r}): "
                 "set rollout.backend=native, or rollout.engine_parallel=none for vLLM",
             )
             require(
                 self.dspark.drafter is None,
-                "rollout.engine_parallel=dep does not run DSpark speculation yet (its draft and verify "
-                "passes are not lockstepped over the replica): set rollout.dspark.drafter=null or "
-                "rollout.engine_parallel=none",
+                f"{mode} does not run DSpark speculation yet (its draft and verify passes are "
+                "single-rank): set rollout.dspark.drafter=null or rollout.engine_parallel=none",
             )
         at_least(self, "rollout", 0, "temperature", "num_gpus")
         require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")

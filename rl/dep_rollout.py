@@ -1,27 +1,34 @@
-"""DEP engine replicas in the Ray trainer (`rollout.engine_parallel=dep`): W rank actors act as one worker.
+"""Multi-process engine replicas in the Ray trainer (`rollout.engine_parallel=dep|dcp`): W rank actors
+act as one rollout worker.
 
-What: `DEPRolloutRank` is one rank of a DEP engine replica (rollout/native/dep.py): a `RolloutWorker`
-whose policy, after the replica's torch.distributed group is formed (`init_group`: TCP rendezvous at
-rank 0's address, gloo on CPU, NCCL + gloo on GPUs), keeps 1/W of the routed experts and whose engine
-is a `DEPEngine` over its `NativeEngine`. `DEPReplica` is the driver-side handle that groups the W
-rank actors so the trainer sees one rollout worker: `replica.generate.remote(...)` (likewise
-`set_adapter`, `fingerprint`, `shutdown`, `spec_stats`, `stats`) sends the call to every rank and
-returns a `ReplicaCall`; `fetch` resolves ObjectRefs and ReplicaCalls alike (rank 0's answer, after
-every rank's answer has arrived, so an error on any rank surfaces).
+What: `RolloutRank` is one rank of a W-process engine replica: a `RolloutWorker` that, once the
+replica's torch.distributed group is formed (`init_group`: TCP rendezvous at rank 0's address, gloo on
+CPU, NCCL + gloo on GPUs), serves through the replica's engine:
+  - dep (rollout/native/dep.py): its policy keeps 1/W of the routed experts and its `NativeEngine` is
+    wrapped in a `DEPEngine` (attention data parallel: the requests are split over the ranks);
+  - dcp (rollout/native/dcp.py): its policy stays whole and its engine is a `DCPEngine` over the full
+    model, which runs every request but keeps only every W-th KV / index-key page of each sequence
+    (`rollout.max_pages` local pages per rank: the replica holds W x the context of one engine).
+`RolloutReplica` is the driver-side handle that groups the W rank actors so the trainer sees one
+rollout worker: `replica.generate.remote(...)` (likewise `set_adapter`, `fingerprint`, `shutdown`,
+`spec_stats`, `stats`) sends the call to every rank and returns a `ReplicaCall`; `fetch` resolves
+ObjectRefs and ReplicaCalls alike (rank 0's answer, after every rank's answer has arrived, so an
+error on any rank surfaces).
 
-Why every rank gets the whole prompt shard: `DEPEngine.generate` is collective and takes the same
-request list on every rank; it splits the requests over the ranks itself and returns every completion
-on every rank, and the seeds are fixed per prompt position before the split, so the replica's samples
-equal one engine's whatever W is.
+Why every rank gets the whole prompt shard: both engines' `generate` is collective and takes the same
+request list on every rank. `DEPEngine` splits the requests over the ranks itself and returns every
+completion on every rank; `DCPEngine` runs them all on every rank in lockstep (same scheduler
+decisions, bit-identical logits), so every rank returns the same completions. The seeds are fixed per
+prompt position, so the replica's samples equal one engine's whatever W is.
 
 Faults: a rank alone cannot recover (its peers are blocked in collectives with it), so a dead rank
 kills the replica: `fetch` kills every rank of it (Ray restarts them, `trainer.max_restarts`) and
 raises the death as a `RayActorError`, which the trainer answers as for any dead engine (re-send the
 adapter, re-run the same call); the first call on the replica after that re-forms its group (new
-rendezvous, experts sharded again). A rank that raises while the others stay blocked also kills the
+rendezvous, the engine rebuilt). A rank that raises while the others stay blocked also kills the
 replica (the exception is re-raised); an error raised by every rank (bad input) kills nothing.
 
-Invariants: the replica's fingerprint is the unsharded base's (taken before sharding); every rank
+Invariants: the replica's fingerprint is the unsharded base's (taken before any sharding); every rank
 holds the whole adapter (expert adapters index by global expert id), the same version everywhere.
 """
 
@@ -43,16 +50,17 @@ GROUP_TIMEOUT = timedelta(minutes=5)
 # How long `fetch` waits for the other ranks after one raised before judging them blocked.
 PEER_GRACE_S = 10.0
 
-__all__ = ["DEPReplica", "DEPRolloutRank", "ReplicaCall", "fetch", "replica_size"]
+__all__ = ["ReplicaCall", "RolloutRank", "RolloutReplica", "fetch", "replica_size"]
 
 
-class DEPRolloutRank(RolloutWorker):
-    """Rank `rank` of replica `index` (world `world` ranks). Build it, then call `init_group` on every
-    rank (collective) before anything else; until then it is an unsharded single-process engine."""
+class RolloutRank(RolloutWorker):
+    """Rank `rank` of replica `index` (world `world` ranks) of a `rollout.engine_parallel` replica.
+    Build it, then call `init_group` on every rank (collective) before anything else; until then it is
+    an unsharded single-process engine."""
 
     def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0, rank: int = 0, world: int = 2):
-        if cfg.rollout.engine_parallel != "dep":
-            raise ValueError("DEPRolloutRank needs rollout.engine_parallel=dep")
+        if cfg.rollout.engine_parallel == "none":
+            raise ValueError("RolloutRank needs rollout.engine_parallel=dep or dcp")
         super().__init__(cfg, base_dir, index)  # policy + fingerprint (unsharded) + NativeEngine
         self.rank, self.world = rank, world
 
@@ -68,29 +76,42 @@ class DEPRolloutRank(RolloutWorker):
         return ray.util.get_node_ip_address(), port
 
     def init_group(self, addr: str, port: int) -> None:
-        """Join the replica's group, shard the routed experts over it (every rank keeps the whole
-        adapter) and serve through a `DEPEngine`. Collective: every rank of the replica calls it."""
+        """Join the replica's group and serve through its engine (module doc): dep shards the routed
+        experts over the group (every rank keeps the whole adapter), dcp replaces the engine by a
+        `DCPEngine` over the whole model. Collective: every rank of the replica calls it."""
         import torch.distributed as dist
-
-        from model.parallel.expert_parallel import apply_expert_parallel
-        from rollout.native.dep import DEPEngine
 
         if dist.is_initialized():
             raise RuntimeError(f"replica {self.index} rank {self.rank} already belongs to a group")
-        # GPU engines: NCCL for the all-to-alls of device tensors, gloo for the host-side objects.
+        # GPU engines: NCCL for the collectives on device tensors, gloo for the host-side objects.
         backend = "cpu:gloo,cuda:nccl" if self.cfg.trainer.device == "cuda" else "gloo"
         dist.init_process_group(
             backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world,
             timeout=GROUP_TIMEOUT,
         )  # fmt: skip
-        apply_expert_parallel(self.model, None)  # the world is this replica's ranks
-        self.engine = DEPEngine(self.engine, None, seed=self.cfg.trainer.seed + self.index)
+        # The world is this replica's ranks: every engine below runs over the default group (None).
+        if self.cfg.rollout.engine_parallel == "dep":
+            from model.parallel.expert_parallel import apply_expert_parallel
+            from rollout.native.dep import DEPEngine
+
+            apply_expert_parallel(self.model, None)
+            self.engine = DEPEngine(self.engine, None, seed=self.cfg.trainer.seed + self.index)
+            return
+        from rollout.native.dcp import DCPEngine
+
+        r = self.cfg.rollout
+        self.engine = None  # free the single-process cache before the local one is allocated
+        # Same batching limits and (default) seed on every rank: DCPEngine's lockstep invariant.
+        self.engine = DCPEngine(
+            self.model, r.max_pages, None, max_batch_tokens=r.max_batch_tokens, max_num_seqs=r.max_num_seqs
+        )
 
     def shutdown(self) -> None:
         """Leave the group (local: no peer needs to join) before the actor is killed."""
         import torch.distributed as dist
 
-        super().shutdown()
+        if self.engine is not None:
+            super().shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -99,7 +120,7 @@ class DEPRolloutRank(RolloutWorker):
 class ReplicaCall:
     """One method call sent to every rank of `replica`: `refs[r]` is rank r's ObjectRef."""
 
-    replica: DEPReplica
+    replica: RolloutReplica
     refs: list
 
 
@@ -115,16 +136,16 @@ def fetch(futures: Any, timeout: float | None = None) -> Any:
 
 
 class _Method:
-    def __init__(self, replica: DEPReplica, name: str):
+    def __init__(self, replica: RolloutReplica, name: str):
         self.replica, self.name = replica, name
 
     def remote(self, *args: Any, **kwargs: Any) -> ReplicaCall:
         return self.replica.call(self.name, *args, **kwargs)
 
 
-class DEPReplica:
+class RolloutReplica:
     """Driver-side handle over the `world` rank actors of rollout replica `index`. `make_rank(rank)`
-    returns a Ray actor handle of `DEPRolloutRank` (placement and restarts are the trainer's)."""
+    returns a Ray actor handle of `RolloutRank` (placement and restarts are the trainer's)."""
 
     METHODS = ("generate", "set_adapter", "fingerprint", "shutdown", "spec_stats", "stats")
 
@@ -215,4 +236,4 @@ def _is_death(error: BaseException | None) -> bool:
 
 def replica_size(cfg: TrainConfig) -> int:
     """Processes (and placement bundles) per rollout replica."""
-    return cfg.rollout.engine_ranks if cfg.rollout.engine_parallel == "dep" else 1
+    return cfg.rollout.engine_ranks if cfg.rollout.engine_parallel != "none" else 1

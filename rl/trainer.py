@@ -27,7 +27,7 @@ import torch
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
 from rl.data import skipped_row_metrics
-from rl.dep_rollout import DEPReplica, DEPRolloutRank, fetch, replica_size
+from rl.dep_rollout import RolloutRank, RolloutReplica, fetch, replica_size
 from rl.faults import maybe_fail
 from rl.learner import Learner
 from rl.rewards import reward_error_metrics
@@ -170,8 +170,9 @@ class Trainer:
         return self.cfg.rollout.num_workers * replica_size(self.cfg)
 
     def _rollout_workers(self, engine_base: str) -> list:
-        """One actor per replica, or (rollout.engine_parallel=dep) one `DEPReplica` handle grouping its
-        `engine_ranks` rank actors, bundles i*W .. i*W+W-1, with its torch.distributed group formed."""
+        """One actor per replica, or (rollout.engine_parallel=dep|dcp) one `RolloutReplica` handle
+        grouping its `engine_ranks` rank actors, bundles i*W .. i*W+W-1, with its torch.distributed
+        group formed (rl/dep_rollout.py)."""
         cfg, gpus = self.cfg, self.cfg.rollout.num_gpus
         if cfg.rollout.engine_parallel == "none":
             return [
@@ -181,11 +182,11 @@ class Trainer:
         world = cfg.rollout.engine_ranks
 
         def rank_of(i: int):
-            return lambda r: self._actor(DEPRolloutRank, gpus, i * world + r).remote(
+            return lambda r: self._actor(RolloutRank, gpus, i * world + r).remote(
                 cfg, engine_base, i, r, world
             )
 
-        replicas = [DEPReplica(rank_of(i), world, i) for i in range(cfg.rollout.num_workers)]
+        replicas = [RolloutReplica(rank_of(i), world, i) for i in range(cfg.rollout.num_workers)]
         for rep in replicas:  # each blocks until its ranks have built their engines and joined
             rep.form_group()
         return replicas
@@ -550,8 +551,8 @@ class Trainer:
             fetch([w.shutdown.remote() for w in self.rollout], timeout=60)
         except Exception as e:
             print(f"warning: rollout engine shutdown: {e}", file=sys.stderr)
-        for w in self.rollout:  # a DEP replica: every rank actor
-            if isinstance(w, DEPReplica):
+        for w in self.rollout:  # a DEP / DCP replica: every rank actor
+            if isinstance(w, RolloutReplica):
                 w.kill()
             else:
                 ray.kill(w)

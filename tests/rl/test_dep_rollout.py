@@ -18,7 +18,7 @@ from model.layers.moe import MoE  # noqa: E402
 from model.parallel.expert_parallel import ExpertParallelMoE  # noqa: E402
 from rl.config import load_config  # noqa: E402
 from rl.data import Prompt  # noqa: E402
-from rl.dep_rollout import DEPReplica, DEPRolloutRank, fetch  # noqa: E402
+from rl.dep_rollout import RolloutRank, RolloutReplica, fetch  # noqa: E402
 from rl.sync import make_update  # noqa: E402
 from rl.trainer import Trainer, prepare_base  # noqa: E402
 from rl.workers import RolloutWorker, adapter_tensors  # noqa: E402
@@ -80,7 +80,7 @@ def test_two_rank_dep_replica_returns_the_single_engine_samples(ray_local, tmp_p
     cfg = load_config("quickstart", [f"output_dir={tmp_path}", *QUICK, *DEP])
     base = str(prepare_base(cfg, tmp_path))
     single = RolloutWorker(load_config("quickstart", [f"output_dir={tmp_path}", *QUICK]), base)
-    replica = DEPReplica(lambda r: ray.remote(num_cpus=0)(DEPRolloutRank).remote(cfg, base, 0, r, 2), 2)
+    replica = RolloutReplica(lambda r: ray.remote(num_cpus=0)(RolloutRank).remote(cfg, base, 0, r, 2), 2)
     try:
         replica.form_group()
         gen = torch.Generator().manual_seed(0)
