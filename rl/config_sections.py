@@ -221,7 +221,7 @@ class RolloutSection:
     sequences. vLLM: `tensor_parallel_size` and `gpu_memory_utilization`. `num_gpus` is the Ray GPU
     request per worker (per rank), `torch_threads` its CPU threads. `engine_parallel` != "none" makes
     each of the `num_workers` replicas `engine_ranks` Ray actors (one process and `num_gpus` GPUs each)
-    in one torch.distributed group (rl/dep_rollout.py):
+    in one torch.distributed group (rl/replicas.py):
       - "dep" (rollout/native/dep.py): attention data parallel (each rank its own requests and KV
         cache), routed experts sharded over the ranks, tokens exchanged by all-to-all;
       - "dcp" (rollout/native/dcp.py): decode-context parallel: every rank holds the whole model and

@@ -27,9 +27,9 @@ import torch
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
 from rl.data import skipped_row_metrics
-from rl.dep_rollout import RolloutRank, RolloutReplica, fetch, replica_size
 from rl.faults import maybe_fail
 from rl.learner import Learner
+from rl.replicas import RolloutRank, RolloutReplica, fetch, replica_size
 from rl.rewards import reward_error_metrics
 from rl.workers import RewardWorker, RolloutWorker, Sample
 
@@ -172,7 +172,7 @@ class Trainer:
     def _rollout_workers(self, engine_base: str) -> list:
         """One actor per replica, or (rollout.engine_parallel=dep|dcp) one `RolloutReplica` handle
         grouping its `engine_ranks` rank actors, bundles i*W .. i*W+W-1, with its torch.distributed
-        group formed (rl/dep_rollout.py)."""
+        group formed (rl/replicas.py)."""
         cfg, gpus = self.cfg, self.cfg.rollout.num_gpus
         if cfg.rollout.engine_parallel == "none":
             return [
@@ -268,7 +268,7 @@ class Trainer:
 
     def _resync(self, actor) -> None:
         """Send the learner's current adapter to a restarted engine (it starts at version 0). A DEP
-        replica's call first re-forms its group (rl/dep_rollout.py), waiting for its ranks as here."""
+        replica's call first re-forms its group (rl/replicas.py), waiting for its ranks as here."""
         update = self._from_learners("adapter_update")
         self._until_alive(lambda: fetch(actor.set_adapter.remote(update)))
 

@@ -1,4 +1,4 @@
-"""DCP engine replicas in the Ray trainer (`rollout.engine_parallel=dcp`, rl/dep_rollout.py): two rank
+"""DCP engine replicas in the Ray trainer (`rollout.engine_parallel=dcp`, rl/replicas.py): two rank
 actors (gloo, tiny preset: 16-token blocks, top-2 indexer) each hold the whole model and half of every
 sequence's KV / index-key pages, serve as one rollout worker and return the samples one engine returns,
 with `rollout.max_pages` counted per rank; a whole run through `Trainer` equals an `engine_parallel=none`
@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 from model.config import ModelConfig  # noqa: E402
 from rl.config import load_config  # noqa: E402
 from rl.data import Prompt  # noqa: E402
-from rl.dep_rollout import RolloutRank, RolloutReplica, fetch, replica_size  # noqa: E402
+from rl.replicas import RolloutRank, RolloutReplica, fetch, replica_size  # noqa: E402
 from rl.sync import make_update  # noqa: E402
 from rl.trainer import prepare_base  # noqa: E402
 from rl.workers import RolloutWorker, adapter_tensors  # noqa: E402

@@ -1,4 +1,4 @@
-"""DEP engine replicas in the Ray trainer (`rollout.engine_parallel=dep`, rl/dep_rollout.py): two rank
+"""DEP engine replicas in the Ray trainer (`rollout.engine_parallel=dep`, rl/replicas.py): two rank
 actors (gloo, tiny preset, NVFP4 routed experts) serve as one rollout worker and return the samples
 one unsharded engine returns; a whole run through `Trainer` equals an `engine_parallel=none` run;
 bad configurations are refused with the key and the fix."""
@@ -18,7 +18,7 @@ from model.layers.moe import MoE  # noqa: E402
 from model.parallel.expert_parallel import ExpertParallelMoE  # noqa: E402
 from rl.config import load_config  # noqa: E402
 from rl.data import Prompt  # noqa: E402
-from rl.dep_rollout import RolloutRank, RolloutReplica, fetch  # noqa: E402
+from rl.replicas import RolloutRank, RolloutReplica, fetch  # noqa: E402
 from rl.sync import make_update  # noqa: E402
 from rl.trainer import Trainer, prepare_base  # noqa: E402
 from rl.workers import RolloutWorker, adapter_tensors  # noqa: E402
