@@ -18,9 +18,13 @@ the B=1 indexer's 2.4 MB of keys do stay in L2). `eager_us` is triton.testing.do
 before every repeat, host launch cost included): v1's only number, and launch-bound for every kernel
 below ~150 us. Naive torch baselines (host syncs, not capturable) are eager.
 
-Indexer / attention versions (`--variants v2 v3`, both by default): v3 decodes NVFP4 keys / pages
-word-wise to fp16 (`triton_common.load_nvfp4_tile_f16`), v2 byte-wise; each NVFP4 and FP8 time is
-taken per version and the ratio table prints NVFP4 vs FP8 for each, plus NVFP4 v3 vs v2.
+Indexer / attention / GEMV versions (`--variants`, default v2 v3; any of v2 v3 v4): v3 decodes NVFP4
+keys / pages word-wise to fp16 (`triton_common.load_nvfp4_tile_f16`), v2 byte-wise; v4 keeps more
+NVFP4 bytes in flight per program (indexer: PPI pages per iteration / double-buffered pages;
+attention: double-buffered K/V tiles; GEMV: the next weight tile prefetched), autotuned over its own
+configurations (printed per row). Each NVFP4 and FP8 time is taken per version (FP8 / bf16 run v3's
+code under v4) and the ratio table prints NVFP4 vs FP8 for each, plus NVFP4 of each later version vs
+the first one named.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
 """
@@ -38,15 +42,24 @@ from model.kernels.indexer import index_select_blocks_torch
 from model.kernels.moe import moe_experts_torch, swigluoai
 from model.kernels.sparse_attention import sparse_attention_torch
 from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
-from model.kernels.triton_indexer import _index_scores_tuned, index_select_blocks_triton
+from model.kernels.triton_indexer import (
+    _index_scores_tuned,
+    _index_scores_v4_tuned,
+    index_select_blocks_triton,
+)
 from model.kernels.triton_kv_append import nvfp4_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
-from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
+from model.kernels.triton_sparse_attention import (
+    _sparse_attn_tuned,
+    _sparse_attn_v4_tuned,
+    sparse_attention_triton,
+)
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
 ROOFLINE_TBS = 4.17
-VARIANTS = ("v2", "v3")  # indexer / attention decode versions timed side by side (v3 last: the default)
+VARIANTS = ("v2", "v3", "v4")  # indexer / attention decode versions that can be timed side by side
+DEFAULT_VARIANTS = ("v2", "v3")  # without --variants (v3 last: the default dispatch)
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 
@@ -126,7 +139,19 @@ def tables(B: int, ctx: int, page: int, device) -> tuple[torch.Tensor, int]:
 
 
 # ------------------------------------------------------------------------------------------ indexer
-def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=VARIANTS) -> None:
+def ratio_rows(kernel: str, shape: str, times: dict, variants: tuple, target: float) -> None:
+    """NVFP4 vs FP8 per version, then each later version's NVFP4 time vs the first one's."""
+    for variant in variants:
+        record(kernel, shape, f"ratio nvfp4 vs fp8 {variant}", times["nvfp4", variant], 0,
+               speedup=round(times["fp8", variant] / times["nvfp4", variant], 2), target=target)  # fmt: skip
+    for variant in variants[1:]:
+        record(kernel, shape, f"ratio nvfp4 {variant} vs {variants[0]}", times["nvfp4", variant], 0,
+               speedup=round(times["nvfp4", variants[0]] / times["nvfp4", variant], 2))  # fmt: skip
+
+
+def run_indexer(
+    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=DEFAULT_VARIANTS
+) -> None:
     """Indexer scores + top-k per cache format and decode version (`variant`: v3 decodes NVFP4 keys
     word-wise to fp16 and autotunes warps / stages; v2 the byte-wise decode, one config). FP8 and bf16
     keys take the same code in both versions (v3 only tunes their launch). Ratios per version."""
@@ -166,16 +191,10 @@ def run_indexer(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, va
             extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
             if t_torch is not None:
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-            extra["config"] = (
-                str(getattr(_index_scores_tuned, "best_config", None)) if variant == "v3" else "default"
-            )
+            tuner = _index_scores_v4_tuned if variant == "v4" and dtype == "nvfp4" else _index_scores_tuned
+            extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
-    for variant in variants:
-        record("indexer", shape, f"ratio nvfp4 vs fp8 {variant}", times["nvfp4", variant], 0,
-               speedup=round(times["fp8", variant] / times["nvfp4", variant], 2), target=1.7)  # fmt: skip
-    if len(variants) == 2:
-        record("indexer", shape, "ratio nvfp4 v3 vs v2", times["nvfp4", "v3"], 0,
-               speedup=round(times["nvfp4", "v2"] / times["nvfp4", "v3"], 2))  # fmt: skip
+    ratio_rows("indexer", shape, times, variants, target=1.7)
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -196,7 +215,9 @@ def naive_selected_attention(q, kv: PagedKV, table, pos, sel, scale):
     return torch.einsum("tngkp,tnkpc->tngc", p, v).reshape(T, H, C).to(q.dtype)
 
 
-def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=VARIANTS) -> None:
+def run_attention(
+    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=DEFAULT_VARIANTS
+) -> None:
     """Sparse attention decode per cache format and version (v3: NVFP4 pages decoded word-wise to fp16
     e4m3 values, fp16 dots; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the same code in
     both), each with its own autotune pick. Ratios NVFP4 vs FP8 per version, and v3 vs v2."""
@@ -240,7 +261,8 @@ def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, 
                 ],
                 reps=R,
             )
-            cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
+            tuner = _sparse_attn_v4_tuned if variant == "v4" and dtype == "nvfp4" else _sparse_attn_tuned
+            cfg_str = str(getattr(tuner, "best_config", None))
             record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
                    rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
@@ -253,12 +275,7 @@ def run_attention(cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, 
             )
             record("attention", shape, "torch-path bf16", t_torch, n_bytes,
                    speedup_triton_eager=round(t_torch / t_eager, 2))  # fmt: skip
-    for variant in variants:
-        record("attention", shape, f"ratio nvfp4 vs fp8 {variant}", times["nvfp4", variant], 0,
-               speedup=round(times["fp8", variant] / times["nvfp4", variant], 2), target=1.5)  # fmt: skip
-    if len(variants) == 2:
-        record("attention", shape, "ratio nvfp4 v3 vs v2", times["nvfp4", "v3"], 0,
-               speedup=round(times["nvfp4", "v2"] / times["nvfp4", "v3"], 2))  # fmt: skip
+    ratio_rows("attention", shape, times, variants, target=1.5)
 
 
 # ------------------------------------------------------------------------------------------ moe
@@ -268,15 +285,16 @@ def random_nvfp4(E: int, n_out: int, n_in: int, device) -> tuple:
     return packed, scales, torch.full((E,), 1e-3, device=device)
 
 
-def run_gemv(device, D: int = 6144, R: int = 8) -> None:
-    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel) and v2 (tile kernel for every m),
+def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> None:
+    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel; v4: with the weight prefetch) and
+    v2 (tile kernel for every m),
     vs torch bf16 F.linear, all graph-timed over R rotated weight copies (NVFP4: R x 21 MB, bf16: R x
     75 MB, so no replay reads its weights from L2), plus the eager (host-launched) times."""
     ws = [tuple(t[0] for t in random_nvfp4(1, D, D, device)) for _ in range(R)]
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
-    from model.kernels.triton_gemv import _w4a16_gemv_tuned
+    from model.kernels.triton_gemv import _w4a16_gemv_tuned, _w4a16_gemv_v4_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
@@ -288,15 +306,16 @@ def run_gemv(device, D: int = 6144, R: int = 8) -> None:
         record("gemv", shape, "torch bf16", t_bf16, D * D * 2, eager_us=round(t_bf16_eager, 1))
         record("gemv", shape, "naive torch nvfp4", t_naive, D * D * 9 / 16)
         times = {}
-        for variant in ("v2", "v3"):
+        for variant in variants:
             got = nvfp4_linear_triton(x, packed, scales, sc2, variant=variant)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             t_eager = bench(lambda: nvfp4_linear_triton(x, packed, scales, sc2, variant=variant))
             times[variant] = t = bench_graph(
                 lambda: [nvfp4_linear_triton(x, *w, variant=variant) for w in ws], reps=R
             )
-            is_fma = variant == "v3" and m <= GEMV_MAX_ROWS
-            tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
+            is_fma = variant != "v2" and m <= GEMV_MAX_ROWS
+            fma_tuner = _w4a16_gemv_v4_tuned if variant == "v4" else _w4a16_gemv_tuned
+            tuner = fma_tuner if is_fma else _nvfp4_moe_tuned
             record(
                 "gemv",
                 shape,
@@ -312,7 +331,9 @@ def run_gemv(device, D: int = 6144, R: int = 8) -> None:
                 target=3.0,
                 speedup_vs_naive=round(t_naive / t_eager, 1),
             )
-        record("gemv", shape, "ratio v3 vs v2", times["v3"], 0, speedup=round(times["v2"] / times["v3"], 2))
+        for variant in variants[1:]:
+            record("gemv", shape, f"ratio {variant} vs {variants[0]}", times[variant], 0,
+                   speedup=round(times[variants[0]] / times[variant], 2))  # fmt: skip
 
 
 def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
@@ -420,8 +441,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
-                    help="indexer / attention decode versions to time side by side")  # fmt: skip
+    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
+                    help="indexer / attention / gemv versions to time side by side (the first is the "
+                         "baseline of the ratio rows)")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json
@@ -449,7 +471,7 @@ def main() -> None:
                 run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=tuple(args.variants))
             torch.cuda.empty_cache()
     if "gemv" in only:
-        run_gemv(device, cfg.hidden_size)
+        run_gemv(device, cfg.hidden_size, variants=tuple(args.variants))
     if "moe" in only:
         run_moe_layer(cfg, device)
     print_ratio_table()

@@ -11,6 +11,10 @@ Each case below compiles one kernel configuration at a benchmark shape for `GPUT
   branch (the per-tile K / page loop), with its op histogram; per_elem = loop / elements each thread
   handles per loop iteration (the case's `elems`), the instruction cost of one weight or key value.
 
+Columns pipe / blk / KB/SM (the bytes-in-flight model of a latency-bound loop): how the loop's loads
+are pipelined (TTGIR: "sync", or "async xD" with D tiles buffered per program), programs resident per
+SM (registers, shared memory, warps), and the HBM bytes in flight per SM = programs x D x tile bytes.
+
 Cases: each indexer / attention cache format, NVFP4 in both decode versions (v3 word-wise, v2
 byte-wise), over the configurations those launches autotune; NVFP4 row strides (72 bytes) get no
 divisibility hint, as at run time (Triton only assumes alignment for multiples of 16).
@@ -61,6 +65,19 @@ class Case:
     num_stages: int = 3
     elems: int | None = None  # weight / key values one thread handles per hot-loop iteration
     divisibility: dict = field(default_factory=dict)  # stride -> 1 where not a multiple of 16 (no hint)
+    tile_bytes: int | None = None  # HBM bytes one hot-loop iteration loads (for the bytes-in-flight column)
+
+
+# sm_90 (H100 / H200) per-SM limits for the occupancy estimate: registers, shared memory (a block may
+# use up to 227 KB; 1 KB per resident block is reserved by the driver), warps, resident blocks.
+SM_REGS, SM_SMEM, SM_SMEM_RESERVED, SM_WARPS, SM_BLOCKS = 65536, 233472, 1024, 64, 32
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Resident programs per SM: registers are allocated per warp in units of 8 per thread."""
+    by_regs = SM_REGS // (-(-max(regs, 1) // 8) * 8 * 32 * warps)
+    by_smem = SM_SMEM // (shared + SM_SMEM_RESERVED)
+    return max(0, min(by_regs, by_smem, SM_WARPS // warps, SM_BLOCKS))
 
 
 def compile_case(case: Case):
@@ -129,6 +146,23 @@ def sass_counts(cubin: bytes) -> dict:
     return dict(sass=len(ins), loop=n_loop, ops=ops)
 
 
+def pipeline_info(ttgir: str) -> str:
+    """How the hot loop's global loads reach the dot, from the TTGIR: "sync" (plain loads to
+    registers, no cp.async), else "async xD" where D is the buffer depth of the largest multi-buffered
+    shared allocation the software pipeliner made (1: the next tile is fetched while nothing else is
+    in flight: one tile per program; 2+: that many tiles in flight)."""
+    if "async_copy_global_to_local" not in ttgir:
+        return "sync"
+    best = (0, 1)
+    for dims in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+)x[a-z]", ttgir):
+        shape = [int(d) for d in dims.split("x") if d]
+        size = 1
+        for d in shape[1:]:
+            size *= d
+        best = max(best, (size, shape[0]))
+    return f"async x{best[1]}"
+
+
 def report(case: Case, n_ops: int = 10) -> dict:
     k = compile_case(case)
     row = dict(
@@ -137,9 +171,18 @@ def report(case: Case, n_ops: int = 10) -> dict:
         stages=case.num_stages,
         **_ptxas_counts(k.asm["ptx"]),
         shared=k.metadata.shared,
+        pipe=pipeline_info(k.asm["ttgir"]),
     )
     sc = sass_counts(k.asm["cubin"])
     row.update(sass=sc["sass"], loop=sc["loop"])
+    row["blocks_sm"] = blocks_per_sm(row["regs"], row["shared"], case.num_warps)
+    if case.tile_bytes:
+        # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded,
+        # two where the kernel prefetches the next one into registers itself).
+        depth = int(row["pipe"].split("x")[-1]) if row["pipe"].startswith("async") else 1
+        if case.consts.get("PREFETCH"):
+            depth, row["pipe"] = 2 * depth, row["pipe"] + "+pf"
+        row["inflight_kb"] = round(row["blocks_sm"] * depth * case.tile_bytes / 1024, 1)
     if case.elems:
         row["per_elem"] = round(sc["loop"] / case.elems, 2)
     row["loop_ops"] = dict(sc["ops"].most_common(n_ops))
@@ -155,18 +198,20 @@ def gemv_cases() -> list[Case]:
     ptrs = dict(
         x_ptr="bf16", w_ptr="i32", s_ptr="u8", sc2_ptr="fp32", out_ptr="bf16", part_ptr="fp32", cnt_ptr="i32"
     )
-    for cfg in m._GEMV_CONFIGS:
+    for cfg in m._GEMV_CONFIGS + m._GEMV_V4_CONFIGS:
         for mr in (1, 4):
             kw = cfg.kwargs
+            version = "v4" if kw.get("PREFETCH") else "v3"
             out.append(
                 Case(
-                    f"gemv v3 fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
+                    f"gemv {version} fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
                     m._w4a16_gemv_kernel,
-                    dict(MR=mr, HW=True, **kw),
+                    {"MR": mr, "HW": True, "PREFETCH": False, **kw},
                     ptrs,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
                     elems=kw["BN"] * kw["BK"] // (32 * cfg.num_warps),
+                    tile_bytes=kw["BN"] * kw["BK"] * 9 // 16,
                 )
             )
     out += tile_cases(linear=True)
@@ -240,26 +285,41 @@ def indexer_cases() -> list[Case]:
         for cfg in configs:  # v3 launches are tuned over these; v2 runs the default
             w, st = cfg.num_warps, cfg.num_stages
             out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
-                            num_stages=st, elems=128 * 128 // (32 * w), divisibility=div))  # fmt: skip
+                            num_stages=st, elems=128 * 128 // (32 * w), divisibility=div,
+                            tile_bytes=128 * (72, 128, 256)[2 - fmt]))  # fmt: skip
+    # v4: the tuned configurations plus the neighbours they were chosen from (V4_CONFIGS_WHY).
+    ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
+                out_ptr="fp32")  # fmt: skip
+    extra = [(1, 4, 4), (1, 8, 5), (2, 4, 3), (2, 4, 5), (2, 8, 1), (2, 8, 3), (2, 8, 7), (4, 8, 1),
+             (4, 8, 5)]  # fmt: skip
+    for ppi, w, st in list(ix.V4_CONFIGS) + extra:
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, HW=True, PPI=ppi)
+        tag = "" if (ppi, w, st) in ix.V4_CONFIGS else " (not tuned)"
+        out.append(Case(f"indexer nvfp4 v4 PPI={ppi}{tag}", ix._index_scores_v4_kernel, consts, ptrs,
+                        num_warps=w, num_stages=st, elems=ppi * 128 * 128 // (32 * w),
+                        divisibility={"stride_ps": 1}, tile_bytes=ppi * 128 * 72))  # fmt: skip
     return out
 
 
 def attention_cases() -> list[Case]:
     """Sparse attention decode kernel, M3.1 shapes (G = 16 heads per KV head, C = 128, 128-token
-    pages), every autotune configuration of each cache format."""
+    pages), every autotune configuration of each cache format and version."""
     from model.kernels import triton_sparse_attention as sa
 
     out = []
     for fmt, label, v3 in (
+        (2, "nvfp4 v4", True),
         (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
         (0, "bf16", False),
     ):
+        # v4: the v3 kernel over its own (deeper-pipelined) configurations.
+        tuner = sa._sparse_attn_v4_tuned if label.endswith("v4") else sa._sparse_attn_tuned
         ptrs = dict(q_ptr="bf16", kv_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", sel_ptr="i64", kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16",
                     part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
-        for cfg in sa._sparse_attn_tuned.configs:
+        for cfg in tuner.configs:
             consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
                           IS_SPLIT=True, HW=True, V3=v3, **cfg.kwargs)  # fmt: skip
             sub = cfg.kwargs["SUB"]
@@ -267,7 +327,8 @@ def attention_cases() -> list[Case]:
             div = {"stride_ks": 1} if fmt == 2 else {}
             out.append(Case(f"attention {label} SUB={sub}", sa._sparse_attn_kernel, consts, ptrs,
                             floats={"sm_scale_log2"}, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            elems=2 * sub * 128 // (32 * cfg.num_warps), divisibility=div))  # fmt: skip
+                            elems=2 * sub * 128 // (32 * cfg.num_warps), divisibility=div,
+                            tile_bytes=2 * sub * (72, 128, 256)[2 - fmt]))  # fmt: skip
     return out
 
 
@@ -291,8 +352,7 @@ def main() -> None:
     )
     print(
         f"{'case':58s} {'w':>2s} {'st':>2s} {'regs':>4s} {'spill':>9s} {'smem':>6s} {'sass':>5s} "
-        f"{'loop':>5s} "
-        f"{'/elem':>6s}  loop ops"
+        f"{'loop':>5s} {'/elem':>6s} {'pipe':>8s} {'blk':>3s} {'KB/SM':>5s}  loop ops"
     )
     for group in args.groups:
         for case in GROUPS[group]():
@@ -306,7 +366,9 @@ def main() -> None:
             spill = f"{row['spill_st']}/{row['spill_ld']}"
             print(
                 f"{row['name']:58s} {row['warps']:2d} {row['stages']:2d} {row['regs']:4d} {spill:>9s} "
-                f"{row['shared']:6d} {row['sass']:5d} {row['loop']:5d} {row.get('per_elem', ''):>6}  "
+                f"{row['shared']:6d} {row['sass']:5d} {row['loop']:5d} {row.get('per_elem', ''):>6} "
+                f"{row['pipe']:>8s} "
+                f"{row['blocks_sm']:3d} {row.get('inflight_kb', ''):>5}  "
                 f"{' '.join(f'{k}:{v}' for k, v in row['loop_ops'].items())}",
                 flush=True,
             )

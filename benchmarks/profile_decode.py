@@ -46,7 +46,7 @@ def main() -> None:
     launches = []  # (name, fn): warmed up first, then profiled once each
     if "indexer" in args.only:
         N, C = cfg.index_n_heads, cfg.index_head_dim
-        q = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
+        q_i = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
         kw = dict(
             topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks
         )
@@ -55,7 +55,7 @@ def main() -> None:
             pages = random_pages((n_pages, cfg.index_block_size), dtype, C, device)
             for v in args.variants:
                 fn = lambda p=pages, d=dtype, v=v: index_select_blocks_triton(
-                    q, p, d, scale, table, seq, pos, **kw, variant=v
+                    q_i, p, d, scale, table, seq, pos, **kw, variant=v
                 )
                 launches.append((f"indexer {dtype} {v}", fn))
     if "attention" in args.only:
@@ -65,7 +65,7 @@ def main() -> None:
             B, N, K - 1
         )
         sel = torch.cat([torch.full((B, N, 1), nb - 1, device=device), sel], dim=-1)
-        q = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
+        q_a = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
         for dtype in ("nvfp4", "fp8"):
             pages = random_pages((n_pages, 2 * N, cfg.index_block_size), dtype, C, device)
             kv = PagedKV(
@@ -73,7 +73,7 @@ def main() -> None:
             )
             for v in args.variants:
                 fn = lambda kv=kv, v=v: sparse_attention_triton(
-                    q, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=v
+                    q_a, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=v
                 )
                 launches.append((f"attention {dtype} {v}", fn))
     if "gemv" in args.only:

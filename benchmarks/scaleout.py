@@ -401,6 +401,11 @@ def main() -> None:
     ap.add_argument("--preset", choices=list(PRESETS), default=None, help="default: m3 on cuda, tiny on cpu")
     for key in ("tokens", "context", "batch", "experts", "reps"):
         ap.add_argument(f"--{key}", type=int, default=None, help=f"override the preset's {key}")
+    ap.add_argument(
+        "--engine-batches",
+        default=None,
+        help="comma-separated request counts for dep_engine (default 64,256)",
+    )
     ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
     ap.add_argument(
         "--benches", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}"
@@ -414,6 +419,8 @@ def main() -> None:
     p.update(
         {k: getattr(args, k) for k in ("tokens", "context", "batch", "experts", "reps") if getattr(args, k)}
     )
+    if args.engine_batches:
+        p["engine_batches"] = tuple(int(b) for b in args.engine_batches.split(","))
     backend = "nccl" if args.device == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: one world, this process is one rank
         if args.device == "cuda":

@@ -49,6 +49,7 @@ from model.kernels.triton_common import (
     e2m1_to_f32_x64,
     f32_to_bf16,
     num_sms,
+    safe_do_bench,
     use_hw_casts,
 )
 
@@ -245,9 +246,9 @@ _TUNED_CONFIGS = [
         (16, 1, 256, 4, 3), (32, 1, 256, 4, 4), (64, 1, 256, 4, 3),
     ]
 ]  # fmt: skip
-_nvfp4_moe_tuned = triton.autotune(_TUNED_CONFIGS, key=["n_out", "n_in", "n_mblocks", "n_rows"])(
-    _nvfp4_moe_kernel
-)
+_nvfp4_moe_tuned = triton.autotune(
+    _TUNED_CONFIGS, key=["n_out", "n_in", "n_mblocks", "n_rows"], do_bench=safe_do_bench
+)(_nvfp4_moe_kernel)
 
 
 def _group_by_expert(ids_S: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

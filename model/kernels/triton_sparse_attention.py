@@ -58,6 +58,7 @@ from model.kernels.triton_common import (
     load_nvfp4_tile_f16,
     num_sms,
     nvfp4_tile_to_fp8,
+    safe_do_bench,
     use_hw_casts,
 )
 from model.kv_cache import PagedKV
@@ -65,8 +66,9 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v3", "v2"]
-"""v3: NVFP4 pages decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: byte-wise to e4m3."""
+DecodeVariant = Literal["v4", "v3", "v2"]
+"""v4: v3's kernel tuned over deeper page pipelines (two K/V tiles in flight per program); v3: NVFP4
+pages decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: byte-wise to e4m3."""
 V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
@@ -212,6 +214,21 @@ _sparse_attn_tuned = triton.autotune(
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
     key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3"],  # v2: shapes only
+    do_bench=safe_do_bench,
+)(_sparse_attn_kernel)
+
+# v4: the same kernel (v3 decode) over configurations that keep two K/V tiles in flight per program.
+# Offline (benchmarks/kernel_compile_report.py, sm_90): every v3 configuration is "async x1" (the
+# indirect selection -> block table -> page chain takes two of the pipeliner's stages, so it buffers
+# one tile and waits for it before decoding): 36 KB of NVFP4 K/V in flight per SM against FP8's 48 KB
+# and bf16's 128 KB. From 5 stages the tile is double-buffered: (64, 4, 5) 4 programs x 2 x 9 KB and
+# (128, 8, 5) 2 x 2 x 18 KB = 72 KB/SM, (32, 2, 5) 8 x 2 x 4.5 KB = 72 KB; (64, 4, 3) is v3's usual
+# pick, the baseline.
+V4_CONFIGS = ((64, 4, 3), (64, 4, 5), (128, 8, 5), (32, 2, 5))
+_sparse_attn_v4_tuned = triton.autotune(
+    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V4_CONFIGS],
+    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3"],
+    do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
 
@@ -266,7 +283,8 @@ def sparse_attention_triton(
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs.
     `variant`: "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
-    "v2" the byte-wise decode to e4m3."""
+    "v4" the same kernel tuned over deeper page pipelines (`V4_CONFIGS`; NVFP4 only, other caches
+    run v3); "v2" the byte-wise decode to e4m3."""
     T, H, C = q_THC.shape
     pages = kv_cache.pages
     N, page = pages.shape[1] // 2, pages.shape[2]
@@ -280,7 +298,7 @@ def sparse_attention_triton(
     splits, bps = plan_splits(T * N, max(1, n_slots), q_THC.device)
     g_p2 = max(16, triton.next_power_of_2(G))
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
-    is_v3 = variant == "v3" and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scale loads
+    is_v3 = variant in ("v3", "v4") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
     fmt = _FMT[kv_cache.dtype]
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
@@ -292,7 +310,8 @@ def sparse_attention_triton(
     # Autotune only where a launch is big enough to matter (small test shapes keep one compile).
     # `sub_tile` (tokens per K/V tile, dividing the page; tests) fixes the tile and skips tuning.
     is_tuned = use_hw_casts() and T * N * splits >= 256 and page == 128 and sub_tile is None
-    kernel = _sparse_attn_tuned if is_tuned else _sparse_attn_kernel
+    is_v4 = variant == "v4" and is_v3 and fmt == FMT_NVFP4 and fp8_dot
+    kernel = (_sparse_attn_v4_tuned if is_v4 else _sparse_attn_tuned) if is_tuned else _sparse_attn_kernel
     sub_kw = {} if is_tuned else {"SUB": sub_tile or page}
     kernel[(T, N, splits)](
         q_THC, q_THC.stride(0), q_THC.stride(1),

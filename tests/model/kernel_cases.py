@@ -28,12 +28,13 @@ GROUPS = {
         "indexer_scores_match_reference",
         "indexer_batch1_split_context",
         "indexer_v3_c128_scores_and_selection_match_reference",
+        "indexer_v4_every_ppi_scores_and_selection_match_reference",
     ],
     "attention": [
         "attention_bf16_matches_reference",
         "attention_fp8_matches_emulated_reference",
         "attention_empty_selection_gives_zeros",
-        "attention_v3_nvfp4_matches_v2_and_emulated_reference",
+        "attention_v3_v4_nvfp4_match_v2_and_emulated_reference",
         "attention_v3_dequant_bit_exact",
     ],
     "moe": [
@@ -259,6 +260,64 @@ def indexer_v3_c128_scores_and_selection_match_reference(device):
     return True, ""
 
 
+def _nvfp4_block_scores_ref(cpu, page):
+    """[T, N, blocks] reference block maxima (fp32) of the rows of an `_index_problem`."""
+    from model.kv_cache import dequantize_kv, gather_pages
+
+    q, ic, table, seq, pos, _ = cpu
+    out = []
+    for t in range(len(seq)):
+        b, p = int(seq[t]), int(pos[t])
+        keys = dequantize_kv(gather_pages(ic.pages, table[b], p + 1)[:, None], ic.dtype, ic.scale, 128)[:, 0]
+        nb = p // page + 1
+        s = torch.nn.functional.pad(q[t].float() @ keys.T, (0, nb * page - p - 1), value=float("-inf"))
+        out.append(s.view(-1, nb, page).amax(-1))
+    return out
+
+
+def indexer_v4_every_ppi_scores_and_selection_match_reference(device):
+    """v4 (PPI pages per loop iteration) at PPI 1, 2 and 4 (on CUDA also the autotuned launch at
+    128-token pages: every configuration of V4_CONFIGS compiled and timed): block scores equal the
+    fp32 reference's within summation error and selections equal it, with ragged lengths whose last
+    iteration has fewer than PPI blocks, a batch-1 context split over several programs (blocks per
+    split a multiple of PPI, some programs past the end) and query rows of very different magnitudes."""
+    from model.kernels.indexer import index_select_blocks_ref
+    from model.kernels.triton_indexer import (
+        V4_PPI,
+        index_block_scores_triton,
+        index_select_blocks_triton,
+        plan_splits_v4,
+    )
+
+    gen = torch.Generator().manual_seed(12)
+    problems = [(16, [70, 33, 130], 10, 1.0), (16, [280], 18, 3e4), (32, [100, 5], 4, 1e-6)]
+    if device == "cuda":  # 128-token pages, large enough for the autotuned launch (every V4_CONFIGS)
+        problems.append((128, [5000, 3000, 4200, 120] * 2, 40, 1.0))
+    for page, lens, width, q_mag in problems:
+        cpu, dev = _index_problem("nvfp4", 128, page, lens, width, 2, gen, device)
+        q = (cpu[0].float() * q_mag).to(torch.bfloat16)
+        cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
+        want_scores = _nvfp4_block_scores_ref(cpu, page)
+        kw = dict(topk=3, local_blocks=1, init_blocks=1)
+        want = index_select_blocks_ref(*cpu, **kw)
+        for ppi in V4_PPI + ((None,) if page == 128 else ()):  # None: the autotuned choice
+            splits, bps = plan_splits_v4(len(cpu[3]), width, ppi or 1, torch.device(device))
+            if bps % (ppi or 1) or splits * bps < width:
+                return False, f"plan_splits_v4 ppi={ppi}: {splits} x {bps} for {width} blocks"
+            got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5],
+                                            variant="v4", ppi=ppi).cpu()  # fmt: skip
+            for t, w in enumerate(want_scores):
+                tol = 1e-5 * w.abs().max().item()
+                if not torch.allclose(got[t, :, : w.shape[1]], w, rtol=1e-5, atol=tol):
+                    return False, f"ppi={ppi} page={page} row {t}: {got[t, :, : w.shape[1]]} vs {w}"
+            poison = torch.full_like(want, -7).to(device)
+            sel = index_select_blocks_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5], **kw,
+                                             out_TNK=poison, variant="v4", ppi=ppi)  # fmt: skip
+            if not torch.equal(sel.cpu(), want):
+                return False, f"ppi={ppi} page={page}: selection differs\n{sel.cpu()}\n{want}"
+    return True, ""
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False):
     from model.kv_cache import PagedKV, quantize_kv
@@ -362,10 +421,11 @@ def attention_empty_selection_gives_zeros(device):
     return True, ""
 
 
-def attention_v3_nvfp4_matches_v2_and_emulated_reference(device):
+def attention_v3_v4_nvfp4_match_v2_and_emulated_reference(device):
     """v3 NVFP4 attention (head dim 128: pages decoded word-wise to fp16 e4m3 values, fp16 dots) has
     the FP8 path's numerics: it matches the FP8-emulated reference as v2 does, and v2 itself up to
-    fp32 summation order and one bf16 output rounding; a group with no selected block gives zeros."""
+    fp32 summation order and one bf16 output rounding; a group with no selected block gives zeros.
+    v4 (the same kernel, tuned over deeper pipelines on large GPU launches) equals v3 bit for bit."""
     from model.kernels.sparse_attention import sparse_attention_ref
     from model.kernels.triton_sparse_attention import fp8_emulated
 
@@ -380,6 +440,8 @@ def attention_v3_nvfp4_matches_v2_and_emulated_reference(device):
             want = sparse_attention_ref(q_emul, kv_emul, *cpu[2:6], sel_c, softmax_scale=128**-0.5).float()
             v3 = _run_attention(dev, sel_d, sub_tile=sub, variant="v3")
             v2 = _run_attention(dev, sel_d, sub_tile=sub, variant="v2")
+            if not torch.equal(_run_attention(dev, sel_d, sub_tile=sub, variant="v4"), v3):
+                return False, f"N={N} page={page} dense={is_dense}: v4 differs from v3"
             scale = want.abs().max().item()
             err, gap = (v3 - want).abs().max().item(), (v3 - v2).abs().max().item()
             if not (err <= 0.04 * scale and gap <= 2**-7 * scale):
@@ -487,9 +549,10 @@ def linear_and_shared_expert_match(device):
 
 
 def gemv_v3_split_k_matches_reference(device):
-    """The v3 split-K FMA GEMV (rows 1..4) against the reference and the exact fp32 product, with row
-    (N) and K tails, 1-4 K splits (an empty last split included), poisoned outputs, and the split
-    counters back at zero after every launch (the next launch depends on it)."""
+    """The v3 split-K FMA GEMV and v4 (v3 + next K step prefetched), rows 1..4, against the reference
+    and the exact fp32 product, with row (N) and K tails, 1-4 K splits (an empty last split included),
+    poisoned outputs, and the split counters back at zero after every launch (the next launch
+    depends on it)."""
     from model.kernels.nvfp4_linear import nvfp4_linear_ref
     from model.kernels.triton_gemv import _launch_gemv, nvfp4_linear_triton, split_counters
     from model.kernels.triton_moe import _parts
@@ -509,25 +572,24 @@ def gemv_v3_split_k_matches_reference(device):
         x = (torch.randn(T, K, generator=gen) * 3).to(torch.bfloat16).to(device)
         want = nvfp4_linear_ref(x, *args).float().cpu()
         exact = x.float().cpu() @ bank.dequantized(0, torch.float32)[0].float().cpu().T
-        got = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
         w = _parts(args[0].unsqueeze(0), args[1].unsqueeze(0), args[2])
-        if bn is None:
-            got = nvfp4_linear_triton(x, *args)
-        else:
-            _launch_gemv(x, w, got, T, bn=bn, bk=bk, split_k=split_k)
-        got = got.float().cpu()
-        scale = exact.abs().max().item()
-        err_exact = (got - exact).abs().max().item()
-        err_ref = (got - want).abs().max().item()
-        # bf16 output rounding (2^-8 relative) bounds the gap to the exact product; the reference
-        # adds its own bf16 weight rounding on top.
-        if not (torch.isfinite(got).all() and err_exact <= 2**-7 * scale and err_ref <= 1e-2 * scale):
-            return (
-                False,
-                f"N={N} K={K} T={T} split={split_k}: err vs exact {err_exact}, vs ref {err_ref} ({scale})",
-            )
-        if int(split_counters(torch.device(device), 1).abs().sum()) != 0:
-            return False, f"N={N} K={K} T={T} split={split_k}: split counters not reset"
+        for version in ("v3", "v4"):  # v4: the next K step's weights prefetched
+            got = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
+            if bn is None:
+                got = nvfp4_linear_triton(x, *args, variant=version)
+            else:
+                _launch_gemv(x, w, got, T, bn=bn, bk=bk, split_k=split_k, prefetch=version == "v4")
+            got = got.float().cpu()
+            scale = exact.abs().max().item()
+            err_exact = (got - exact).abs().max().item()
+            err_ref = (got - want).abs().max().item()
+            # bf16 output rounding (2^-8 relative) bounds the gap to the exact product; the reference
+            # adds its own bf16 weight rounding on top.
+            if not (torch.isfinite(got).all() and err_exact <= 2**-7 * scale and err_ref <= 1e-2 * scale):
+                return False, (f"{version} N={N} K={K} T={T} split={split_k}: err vs exact {err_exact}, "
+                               f"vs ref {err_ref} ({scale})")  # fmt: skip
+            if int(split_counters(torch.device(device), 1).abs().sum()) != 0:
+                return False, f"{version} N={N} K={K} T={T} split={split_k}: split counters not reset"
     x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(device)
     bank = _bank(1, 128, 32, 5, device)
     args = (bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])

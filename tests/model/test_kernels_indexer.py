@@ -31,3 +31,49 @@ def test_indexer_kernel_equals_reference_under_interpreter(interpreted, check):
 def test_indexer_kernel_equals_reference_on_cuda(check):
     ok, msg = run_group(GROUP, "cuda", only=check)[check]
     assert ok, msg
+
+
+def _failing_compile():
+    raise RuntimeError("PassManager::run failed")
+
+
+def test_safe_do_bench_times_a_config_that_fails_to_compile_as_inf_and_warns_once():
+    from model.kernels import triton_common as tc
+
+    def bench(fn, quantiles):
+        fn()
+        return [1.0] * len(quantiles)
+
+    with pytest.warns(UserWarning, match="failed to compile"):
+        assert tc.safe_do_bench(_failing_compile, (0.5, 0.2, 0.8), bench=bench) == [float("inf")] * 3
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same failure again: no second warning
+        assert tc.safe_do_bench(_failing_compile, None, bench=bench) == float("inf")
+    assert tc.safe_do_bench(lambda: None, (0.5,), bench=bench) == [1.0]
+
+
+def test_safe_do_bench_reraises_errors_that_are_not_compile_failures():
+    from model.kernels import triton_common as tc
+
+    def bench(fn, quantiles):
+        return fn()
+
+    def launch_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tc.safe_do_bench(launch_error, (0.5,), bench=bench)
+    with pytest.raises(ValueError):
+        tc.safe_do_bench(lambda: (_ for _ in ()).throw(ValueError("bad arg")), (0.5,), bench=bench)
+
+
+def test_every_decode_autotuner_skips_configs_that_fail_to_compile():
+    from model.kernels import triton_gemv, triton_indexer, triton_moe, triton_sparse_attention
+    from model.kernels.triton_common import safe_do_bench
+
+    tuners = [triton_indexer._index_scores_tuned, triton_indexer._index_scores_v4_tuned,
+              triton_sparse_attention._sparse_attn_tuned, triton_sparse_attention._sparse_attn_v4_tuned,
+              triton_gemv._w4a16_gemv_tuned, triton_moe._nvfp4_moe_tuned]  # fmt: skip
+    assert all(t._do_bench is safe_do_bench for t in tuners)
