@@ -27,13 +27,6 @@ DCP_PAGES = 16  # local pages per rank: 256 tokens of one engine, 512 of the 2-r
 TINY = ModelConfig.preset("tiny")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 # ------------------------------------------------------------------------------------ config checks
 @pytest.mark.parametrize(
     ("overrides", "message"),

@@ -32,13 +32,6 @@ QUICK = (
 DEP = ("rollout.engine_parallel=dep", "rollout.engine_ranks=2")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 # ------------------------------------------------------------------------------------ config checks
 @pytest.mark.parametrize(
     ("overrides", "message"),

@@ -18,14 +18,6 @@ from rl.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_geo_vision_two_steps_log_to_wandb_and_export_the_projector_adapter(ray_local, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: straight to the local parquet

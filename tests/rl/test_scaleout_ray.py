@@ -26,13 +26,6 @@ QUICK = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _samples(n_groups: int = 4, per_group: int = 4, seed: int = 0) -> list[Sample]:
     rng = random.Random(seed)
     out = []
