@@ -18,15 +18,18 @@ the B=1 indexer's 2.4 MB of keys do stay in L2). `eager_us` is triton.testing.do
 before every repeat, host launch cost included): v1's only number, and launch-bound for every kernel
 below ~150 us. Naive torch baselines (host syncs, not capturable) are eager.
 
-Indexer / attention / GEMV versions (`--variants`, default v2 v3; any of v2 v3 v4): v3 decodes NVFP4
+Indexer / attention / GEMV versions (`--variants`, default v2 v3; any of v2 v3 v4 v5): v3 decodes NVFP4
 keys / pages word-wise to fp16 (`triton_common.load_nvfp4_tile_f16`), v2 byte-wise; v4 keeps more
 NVFP4 bytes in flight per program (indexer: PPI pages per iteration / double-buffered pages;
 attention: double-buffered K/V tiles; GEMV: the next weight tile prefetched), autotuned over its own
-configurations (printed per row). Each NVFP4 and FP8 time is taken per version (FP8 / bf16 run v3's
-code under v4) and the ratio table prints NVFP4 vs FP8 for each, plus NVFP4 of each later version vs
-the first one named.
+configurations (printed per row); v5 (indexer / attention only) is v3 with the coalesced flat-block
+NVFP4 decode (`load_nvfp4_tile_f16_v5`: consecutive threads on consecutive 16-value blocks of a
+row), and its rows record whether its output equals the first version's bit for bit. Each NVFP4 and
+FP8 time is taken per version (FP8 / bf16 run v3's code under v4) and the ratio table prints NVFP4
+vs FP8 for each, plus NVFP4 of each later version vs the first one named.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
+       [--variants v3 v5]
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -58,7 +61,8 @@ from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stor
 from model.layers.moe import ExpertBank
 
 ROOFLINE_TBS = 4.17
-VARIANTS = ("v2", "v3", "v4")  # indexer / attention decode versions that can be timed side by side
+VARIANTS = ("v2", "v3", "v4", "v5")  # indexer / attention decode versions that can be timed side by side
+GEMV_VARIANTS = ("v2", "v3", "v4")  # the GEMV has no v5: `--variants` names it are skipped there
 DEFAULT_VARIANTS = ("v2", "v3")  # without --variants (v3 last: the default dispatch)
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
@@ -163,7 +167,7 @@ def run_indexer(
     q = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
     shape = f"B={B} ctx={ctx // 1024}K"
     kw = dict(topk=K, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
-    times = {}
+    times, outs = {}, {}  # outs: each version's output, for the v5 bit-exactness flag
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, page), dtype, C, device)
         scale = torch.tensor(0.01, device=device)
@@ -182,6 +186,9 @@ def run_indexer(
             )
             got = fn()
             extra = {}
+            if variant == "v5" and (dtype, variants[0]) in outs:  # same selections as the baseline version
+                extra[f"equal_{variants[0]}"] = bool(torch.equal(got, outs[dtype, variants[0]]))
+            outs[dtype, variant] = got
             if want is not None:
                 extra["agree_with_torch"] = round(
                     (got.sort(-1).values == want.sort(-1).values).float().mean().item(), 4
@@ -239,7 +246,7 @@ def run_attention(
     sel = sels[0]
     q = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
     shape = f"B={B} ctx={ctx // 1024}K"
-    times = {}
+    times, outs = {}, {}  # outs: each version's output, for the v5 bit-exactness flag
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, 2 * N, page), dtype, C, device)
         kv = PagedKV(pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C)
@@ -250,7 +257,12 @@ def run_attention(
             fn = lambda: sparse_attention_triton(
                 q, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=variant
             )
-            err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+            got = fn()
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            extra = {}
+            if variant == "v5" and (dtype, variants[0]) in outs:  # bit for bit the baseline version's output
+                extra[f"equal_{variants[0]}"] = bool(torch.equal(got, outs[dtype, variants[0]]))
+            outs[dtype, variant] = got
             t_eager = bench(fn)
             times[dtype, variant] = bench_graph(
                 lambda: [
@@ -264,7 +276,8 @@ def run_attention(
             tuner = _sparse_attn_v4_tuned if variant == "v4" and dtype == "nvfp4" else _sparse_attn_tuned
             cfg_str = str(getattr(tuner, "best_config", None))
             record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
-                   rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
+                   rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1),
+                   **extra)  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
         record("attention", shape, f"naive-gather {dtype}", t_naive, n_bytes,
                speedup_triton_eager=round(t_naive / t_eager, 2))  # fmt: skip
@@ -471,7 +484,9 @@ def main() -> None:
                 run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=tuple(args.variants))
             torch.cuda.empty_cache()
     if "gemv" in only:
-        run_gemv(device, cfg.hidden_size, variants=tuple(args.variants))
+        gemv_variants = tuple(v for v in args.variants if v in GEMV_VARIANTS)
+        if gemv_variants:
+            run_gemv(device, cfg.hidden_size, variants=gemv_variants)
     if "moe" in only:
         run_moe_layer(cfg, device)
     print_ratio_table()

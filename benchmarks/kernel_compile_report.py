@@ -22,7 +22,11 @@ divisibility hint, as at run time (Triton only assumes alignment for multiples o
 Caveat: the H200 runs an older Triton (3.6) than this machine may have; code generation can differ
 in detail, so use the numbers to compare variants compiled here, not as the device's exact SASS.
 
-Usage: python benchmarks/kernel_compile_report.py [--only SUBSTR ...] [--json OUT.jsonl] [--ops N]
+--mem adds, per case, the loop's memory instructions by full opcode (LDG.64 / LDG.128 / LDGSTS,
+STS.U16 / STS.128, LDSM) and the register layouts of the big global loads (TTGIR), the evidence for
+the coalescing of the NVFP4 word loads (v5).
+
+Usage: python benchmarks/kernel_compile_report.py [--only SUBSTR ...] [--json OUT.jsonl] [--ops N] [--mem]
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ def sass_counts(cubin: bytes) -> dict:
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
     ops: collections.Counter = collections.Counter()
+    mem: collections.Counter = collections.Counter()  # full opcodes of the loop's memory instructions
     n_loop = 0
     if loops:
         lo, hi = max(loops, key=lambda span: span[1] - span[0])
@@ -143,7 +148,35 @@ def sass_counts(cubin: bytes) -> dict:
                 n_loop += 1
                 op = text.split()[1] if text.startswith("@") else text.split()[0]
                 ops[op.split(".")[0]] += 1
-    return dict(sass=len(ins), loop=n_loop, ops=ops)
+                if op.split(".")[0] in _MEM_OPS:
+                    mem[op.replace(".E.", ".").replace(".E", "").replace(".BYPASS", "")] += 1
+    return dict(sass=len(ins), loop=n_loop, ops=ops, mem=mem)
+
+
+# Memory instructions counted per loop iteration by full width (LDG.64 vs LDG.128, STS.U16 vs STS.128):
+# global loads synchronous (LDG) or cp.async (LDGSTS), tile stores into shared, dot-operand loads.
+_MEM_OPS = ("LDG", "LDGSTS", "STS", "LDS", "LDSM")
+
+
+def load_layouts(ttgir: str, min_elems: int = 256) -> list[str]:
+    """Register layouts of the big global loads (tt.load or cp.async, >= min_elems elements) as
+    "shape x type: sizePerThread/threadsPerWarp/order": whether consecutive threads of a warp read
+    consecutive bytes (the NVFP4 word loads: threads along the flat block index, not one per row)."""
+    layouts = dict(re.findall(r"^#(blocked\d*) = #ttg\.blocked<\{(.*?)\}>", ttgir, re.M))
+    out = []
+    op = r"(?:tt\.load|async_copy_global_to_local) %[^:{]*(?:\{[^}]*\})? ?"  # cp.async may carry {contiguity}
+    for shape, ty, enc in re.findall(op + r": tensor<([0-9x]+)x!tt\.ptr<(\w+)>, #(blocked\d*)>", ttgir):
+        n = 1
+        for d in shape.split("x"):
+            n *= int(d)
+        fields = dict(re.findall(r"(\w+) = \[([0-9, ]*)\]", layouts.get(enc, "")))
+        text = f"{shape}x{ty}: " + "/".join(
+            "[" + fields.get(k, "?").replace(" ", "") + "]"
+            for k in ("sizePerThread", "threadsPerWarp", "order")
+        )
+        if n >= min_elems and text not in out:
+            out.append(text)
+    return out
 
 
 def pipeline_info(ttgir: str) -> str:
@@ -174,7 +207,8 @@ def report(case: Case, n_ops: int = 10) -> dict:
         pipe=pipeline_info(k.asm["ttgir"]),
     )
     sc = sass_counts(k.asm["cubin"])
-    row.update(sass=sc["sass"], loop=sc["loop"])
+    row.update(sass=sc["sass"], loop=sc["loop"], loop_mem=dict(sorted(sc["mem"].items())))
+    row["load_layouts"] = load_layouts(k.asm["ttgir"])
     row["blocks_sm"] = blocks_per_sm(row["regs"], row["shared"], case.num_warps)
     if case.tile_bytes:
         # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded,
@@ -270,6 +304,7 @@ def indexer_cases() -> list[Case]:
 
     out = []
     for fmt, label, v3 in (
+        (2, "nvfp4 v5", True),
         (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
@@ -277,7 +312,8 @@ def indexer_cases() -> list[Case]:
     ):
         ptrs = dict(q_ptr="bf16", pages_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", scale_ptr="fp32", out_ptr="fp32")  # fmt: skip
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3)
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3,
+                      V5=label.endswith("v5"))  # fmt: skip
         # elems: key values per thread per page (128 keys x 128 dims over the threads). NVFP4 rows are
         # 72 bytes: Triton gets no divisibility hint for their stride (not a multiple of 16).
         div = {"stride_ps": 1} if fmt == 2 else {}
@@ -308,6 +344,7 @@ def attention_cases() -> list[Case]:
 
     out = []
     for fmt, label, v3 in (
+        (2, "nvfp4 v5", True),
         (2, "nvfp4 v4", True),
         (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
@@ -321,7 +358,7 @@ def attention_cases() -> list[Case]:
                     part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
         for cfg in tuner.configs:
             consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
-                          IS_SPLIT=True, HW=True, V3=v3, **cfg.kwargs)  # fmt: skip
+                          IS_SPLIT=True, HW=True, V3=v3, V5=label.endswith("v5"), **cfg.kwargs)  # fmt: skip
             sub = cfg.kwargs["SUB"]
             # elems: K plus V values per thread per SUB-token step; NVFP4 rows are 72 bytes (no hint).
             div = {"stride_ks": 1} if fmt == 2 else {}
@@ -346,6 +383,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="keep cases whose name contains any of these")
     ap.add_argument("--json", default=None, help="append one JSON line per case here")
     ap.add_argument("--ops", type=int, default=8, help="loop ops to show per case")
+    ap.add_argument("--mem", action="store_true", help="also print loop memory ops by width + load layouts")
     args = ap.parse_args()
     print(
         f"triton {triton.__version__}, target sm_90; per_elem = loop SASS / values per thread per iteration"
@@ -372,6 +410,10 @@ def main() -> None:
                 f"{' '.join(f'{k}:{v}' for k, v in row['loop_ops'].items())}",
                 flush=True,
             )
+            if args.mem:
+                mem = " ".join(f"{k}:{v}" for k, v in row["loop_mem"].items())
+                print(f"{'':4s}loop memory ops: {mem}; loads (sizePerThread/threadsPerWarp/order): "
+                      f"{'; '.join(row['load_layouts'])}")  # fmt: skip
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -21,6 +21,9 @@ same identity applied to four nibbles per 32-bit operation inside one inline-PTX
 scale block, then packed e4m3x2 -> f16x2 converts and f16x2 scale multiplies; elementwise asm
 (pack = 1) plus a tl.join tree, so correctness does not depend on Triton's register layouts. The
 interpreter runs a plain-Triton twin giving the same values (tests compare both with `model.nvfp4`).
+
+v5 decode (`load_nvfp4_tile_f16_v5`, `variant="v5"`): the same block decode over a 1-D flat index
+row * 8 + block, so that a warp's word loads cover whole rows (see its docstring for the why).
 """
 
 import os
@@ -365,3 +368,50 @@ def dot_f16(a, b, HW: tl.constexpr):
     else:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return out
+
+
+@triton.jit
+def load_nvfp4_tile_f16_v5(base_ptr, n_valid, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
+                           MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """v5 of `load_nvfp4_tile_f16`: the same values (bit for bit), for ROWS packed rows at base_ptr +
+    r * (C / 2 + C / 16) bytes (base_ptr a multiple of 8, C = 128: 72-byte rows). MASKED: rows
+    r >= n_valid (a scalar; <= 0: none) read as zeros, else every row is read. The row stride is a
+    constant so that a thread's rows are immediate offsets of one address; the mask is a scalar bound
+    so that no per-row tensor enters the decode (see below).
+
+    Why (ncu on the H200, Triton 3.6): v3's [ROWS, NB, 2] word load came out with one thread per row
+    (8 x LDG.E.64 at +0, +8, ... +56: 8 of every 32 sector bytes used, L1/TEX 79% busy) and its tile
+    reached shared memory in 2-byte stores. Here everything hangs off one 1-D index f = row * NB +
+    block: each thread loads one block's 8 code bytes as one int64 (natural alignment, no hint
+    needed) and its scale byte, so consecutive threads read consecutive blocks of a row (a warp: 4
+    whole rows per load), and decodes them into 16 contiguous fp16 values (16-byte stores into shared
+    for the dot); the tile reshape keeps f as the outer index."""
+    NB: tl.constexpr = C // 16
+    offs_f = tl.arange(0, ROWS * NB)  # flat block index: row offs_f // NB, block offs_f % NB
+    blk_f = offs_f % NB
+    row_f = (offs_f // NB) * (C // 2 + NB)  # byte offset of the row
+    # Contiguity capped at one element: left to itself, the axis analysis sees runs of NB contiguous
+    # int64 (a whole row), and the coalescing pass gives each thread its whole run, loaded as NB
+    # 8-byte loads (8-byte alignment allows no wider ones): v3's layout on the H200, reproduced here
+    # with Triton 3.9 without this cap (compile report).
+    # The scale bytes: the row's 8 as one int64 (the 8 threads of a row load the same address: one
+    # broadcast), shifted to this block's byte. Loaded as a uint8 per block instead, the 8-bit load
+    # made the compiler plan the dot operand for an 8-bit source (kWidth 8: LDS.128 plus ~150 register
+    # moves per page instead of LDSM, compile report).
+    i64_ptr = base_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    word_ptrs = i64_ptr + tl.max_contiguous(row_f // 8 + blk_f, 1)
+    s_ptrs = i64_ptr + tl.max_contiguous(row_f // 8 + NB, 1)  # 72-byte rows: scales at word 8
+    if MASKED:
+        is_f = (offs_f // NB) < n_valid
+        words_f = tl.load(word_ptrs, mask=is_f, other=0)
+        s_row_f = tl.load(s_ptrs, mask=is_f, other=0)
+    else:
+        words_f = tl.load(word_ptrs)
+        s_row_f = tl.load(s_ptrs)
+    s_bits = (s_row_f >> (8 * blk_f)).to(tl.int32)  # the block's byte in bits 0-7
+    if not HW:
+        s_bits = s_bits & 0xFF  # the asm reads only byte 0
+    w0 = words_f.to(tl.int32)  # low word: elements 0-7 (little endian)
+    w1 = (words_f >> 32).to(tl.int32)  # elements 8-15
+    o = nvfp4_block_f16(w0, w1, s_bits, ROUND, HW)
+    return tl.reshape(_join_tree16(o), (ROWS, C))

@@ -30,6 +30,12 @@ memory each, 32 KB of it the fp16 tile staged for the dot) that is 36 KB per SM 
 (16 KB pages) and bf16's 128 KB, the same order as their measured bandwidths (23%, 65%, 80% of the
 roofline). v4 reads PPI pages per iteration as one tile (per-row page bases) and is tuned over
 configurations that double- or triple-buffer pages (`V4_CONFIGS`, `V4_CONFIGS_WHY`): 72-81 KB per SM.
+v5 (opt-in until measured): v3's kernel with the keys read by `load_nvfp4_tile_f16_v5`. ncu on the
+H200 (Triton 3.6) showed v3 bound by L1 traffic, not HBM (DRAM 20%, L1/TEX 79%): its code words came
+out one thread per 72-byte row (8 x LDG.E.64, 8 of 32 sector bytes used) and its tile reached shared
+memory in 2-byte stores. v5 hangs the load on one flat block index (a warp reads 4 whole rows per
+instruction) with the pointer contiguity capped at one int64, which is what keeps Triton from handing
+a thread a whole row; bit for bit v3's scores (tested).
 
 Numerics: NVFP4 keys are dequantized to e2m1 * block_scale (exact in bf16 and fp16) with the
 global scale applied to the score (after the block max: the scale is positive); FP8 keys to their
@@ -54,6 +60,7 @@ from model.kernels.triton_common import (
     f32_to_bf16,
     load_nvfp4_tile,
     load_nvfp4_tile_f16,
+    load_nvfp4_tile_f16_v5,
     num_sms,
     safe_do_bench,
     use_hw_casts,
@@ -62,9 +69,10 @@ from model.kernels.triton_common import (
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v4", "v3", "v2"]
-"""v4: v3's decode over PPI pages per loop iteration (more key bytes in flight per program); v3: NVFP4
-keys decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: the byte-wise decode."""
+DecodeVariant = Literal["v5", "v4", "v3", "v2"]
+"""v5: v3 with the coalesced flat-block decode (`load_nvfp4_tile_f16_v5`); v4: v3's decode over PPI
+pages per loop iteration (more key bytes in flight per program); v3: NVFP4 keys decoded word-wise to
+fp16 (`load_nvfp4_tile_f16`); v2: the byte-wise decode."""
 V4_PPI = (1, 2, 4)  # pages per iteration the v4 kernel is built for
 V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 
@@ -104,7 +112,7 @@ def _index_scores_kernel(
     out_ptr, stride_ot, stride_on,
     BPS, tune_class,
     N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
-    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr,
+    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr, V5: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -137,8 +145,13 @@ def _index_scores_kernel(
         is_vis = tok_s <= pos
         if IS_F16:
             # Unmasked: a visible block's page is allocated, and keys past pos are dropped below.
-            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, is_vis, C, PAGE,
-                                          False, False, HW)  # fmt: skip
+            if V5:
+                keys_sc = load_nvfp4_tile_f16_v5(
+                    pages_ptr + page * stride_pp, PAGE, C, PAGE, False, False, HW
+                )
+            else:
+                keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, is_vis, C,
+                                              PAGE, False, False, HW)  # fmt: skip
             scores_ns = dot_f16(q_nc, tl.trans(keys_sc), HW)
         else:
             keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
@@ -239,7 +252,7 @@ def _index_topk_kernel(
 # kernel ignores), not by BPS: a decode engine retunes when its work doubles, not at every new width.
 _index_scores_tuned = triton.autotune(
     [triton.Config({}, num_warps=w, num_stages=st) for w, st in [(4, 3), (4, 1), (8, 3)]],
-    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3"],
+    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3", "V5"],
     do_bench=safe_do_bench,
 )(_index_scores_kernel)
 
@@ -312,13 +325,15 @@ def index_block_scores_triton(
     variant: DecodeVariant = "v3", ppi: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
-    `variant`: "v4" v3's decode over several pages per iteration (NVFP4, C = 128, bf16 queries; other
+    `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
+    "v4" v3's decode over several pages per iteration (NVFP4, C = 128, bf16 queries; other
     formats / shapes run v3); "v3" decodes NVFP4 keys word-wise to fp16 (bf16 queries); "v2" the
     byte-wise decode. `ppi` (v4): pages per iteration instead of the autotuned choice (tests)."""
     T, N, C = index_q_TNC.shape
     P = block_tables_BP.shape[1]
     page = pages.shape[1]
-    is_v3 = variant in ("v3", "v4") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
+    is_v3 = variant in ("v3", "v4", "v5") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
+    is_v5 = variant == "v5" and is_v3 and pages.stride(1) == C // 2 + C // 16  # packed 72-byte rows
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
@@ -338,7 +353,7 @@ def index_block_scores_triton(
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
         scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
         N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=page,
-        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3,
+        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3, V5=is_v5,
     )  # fmt: skip
     return scores_TNP
 

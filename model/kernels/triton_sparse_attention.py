@@ -30,6 +30,9 @@ Kernels (semantics: `model.kernels.sparse_attention`):
    fp32), which on sm_90 at 16 query rows Triton runs as fp16 MMA after converting anyway. The
    autotune is keyed by cache format and version too (v2 keyed by shape only, so the FP8 launch
    reused the NVFP4 pick). `variant="v2"` keeps the v2 tiles, to be timed beside v3.
+   v5 (opt-in until measured): v3 with K / V tiles read by `load_nvfp4_tile_f16_v5` (coalesced flat
+   block word loads; the V mask a scalar row bound), for the L1-bound v3 the H200's ncu showed (L1/TEX
+   81%, DRAM 13%, 2-byte tile stores); bit for bit v3's output (tested).
 2. `_merge_kernel`, grid (T, N): log-sum-exp merge of the splits: out = sum_s acc_s 2^(m_s - M) /
    sum_s l_s 2^(m_s - M) * v_scale. A row with no visible key gets zeros.
 SPLITS is chosen so T * N * SPLITS covers ~4 waves of SMs (batch 1: one block per program).
@@ -56,6 +59,7 @@ from model.kernels.triton_common import (
     f32_to_e4m3,
     load_nvfp4_tile_direct,
     load_nvfp4_tile_f16,
+    load_nvfp4_tile_f16_v5,
     num_sms,
     nvfp4_tile_to_fp8,
     safe_do_bench,
@@ -66,8 +70,9 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v4", "v3", "v2"]
-"""v4: v3's kernel tuned over deeper page pipelines (two K/V tiles in flight per program); v3: NVFP4
+DecodeVariant = Literal["v5", "v4", "v3", "v2"]
+"""v5: v3 with the coalesced flat-block NVFP4 decode (`load_nvfp4_tile_f16_v5`);
+v4: v3's kernel tuned over deeper page pipelines (two K/V tiles in flight per program); v3: NVFP4
 pages decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: byte-wise to e4m3."""
 V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
@@ -107,7 +112,7 @@ def _sparse_attn_kernel(
     n_slots, BPS, SPLITS, n_work,
     G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
     FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HW: tl.constexpr, SUB: tl.constexpr, V3: tl.constexpr,
+    HW: tl.constexpr, SUB: tl.constexpr, V3: tl.constexpr, V5: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -168,7 +173,12 @@ def _sparse_attn_kernel(
         k_page = k_base + page * stride_kp
         row_off = (sub0 + offs_s) * stride_ks
         k_rows = k_page + row_off
-        if IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
+        # v5: rows r < n_valid of the sub-tile hold keys (a scalar bound: no per-row mask tensor).
+        n_valid = tl.where(blk >= 0, pos - blk * PAGE - sub0 + 1, 0)
+        if IS_F16 and V5:  # unmasked K, as v3
+            k_sc = load_nvfp4_tile_f16_v5(k_page + sub0 * stride_ks, n_valid, C, SUB, True, False, HW)
+            s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
+        elif IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
             k_sc = load_nvfp4_tile_f16(k_page, row_off, is_key, C, SUB, True, False, HW)
             s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
         elif FP8_DOT:
@@ -183,7 +193,11 @@ def _sparse_attn_kernel(
         p_gs = tl.math.exp2(s_gs - m_new[:, None])
         l_g = l_g * alpha + tl.sum(p_gs, axis=1)
         if IS_F16:  # masked: P is 0 there, and a garbage scale byte could decode to NaN
-            v_sc = load_nvfp4_tile_f16(k_page + stride_kh, row_off, is_key, C, SUB, True, True, HW)
+            if V5:
+                v_sc = load_nvfp4_tile_f16_v5(k_page + stride_kh + sub0 * stride_ks, n_valid, C, SUB, True,
+                                              True, HW)  # fmt: skip
+            else:
+                v_sc = load_nvfp4_tile_f16(k_page + stride_kh, row_off, is_key, C, SUB, True, True, HW)
             pv_gc = dot_f16(f32_to_e4m3(p_gs, HW).to(tl.float16), v_sc, HW)
         elif FP8_DOT:
             v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
@@ -213,7 +227,7 @@ _sparse_attn_tuned = triton.autotune(
         triton.Config({"SUB": sub}, num_warps=w, num_stages=st)
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
-    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3"],  # v2: shapes only
+    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3", "V5"],  # v2: shapes only
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -227,7 +241,7 @@ _sparse_attn_tuned = triton.autotune(
 V4_CONFIGS = ((64, 4, 3), (64, 4, 5), (128, 8, 5), (32, 2, 5))
 _sparse_attn_v4_tuned = triton.autotune(
     [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V4_CONFIGS],
-    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3"],
+    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3", "V5"],
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -282,7 +296,8 @@ def sparse_attention_triton(
     variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs.
-    `variant`: "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
+    `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
+    "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
     "v4" the same kernel tuned over deeper page pipelines (`V4_CONFIGS`; NVFP4 only, other caches
     run v3); "v2" the byte-wise decode to e4m3."""
     T, H, C = q_THC.shape
@@ -298,7 +313,8 @@ def sparse_attention_triton(
     splits, bps = plan_splits(T * N, max(1, n_slots), q_THC.device)
     g_p2 = max(16, triton.next_power_of_2(G))
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
-    is_v3 = variant in ("v3", "v4") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
+    is_v3 = variant in ("v3", "v4", "v5") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
+    is_v5 = variant == "v5" and is_v3 and pages.stride(2) == C // 2 + C // 16  # packed 72-byte rows
     fmt = _FMT[kv_cache.dtype]
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
@@ -322,7 +338,7 @@ def sparse_attention_triton(
         out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
         n_slots, bps, splits, T * N,
         G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
-        IS_SPLIT=splits > 1, HW=use_hw_casts(), V3=is_v3, **sub_kw,
+        IS_SPLIT=splits > 1, HW=use_hw_casts(), V3=is_v3, V5=is_v5, **sub_kw,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(T, N)](
@@ -363,12 +379,16 @@ def fp8_emulated(q_THC: torch.Tensor, kv_cache: PagedKV) -> tuple[torch.Tensor, 
 
 @triton.jit
 def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr,
-                         V3: tl.constexpr):  # fmt: skip
+                         V3: tl.constexpr, V5: tl.constexpr):  # fmt: skip
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     is_row = offs_r < n_rows
     row_off = offs_r.to(tl.int64) * (C // 2 + C // 16)
     row_ptrs = buf_ptr + row_off
-    if V3:  # fp16 tile holding e4m3 values: the cast back to e4m3 is exact
+    if V5:  # the same through v5's flat-block decode (rows past n_rows masked by the scalar bound)
+        tile = load_nvfp4_tile_f16_v5(buf_ptr + tl.program_id(0).to(tl.int64) * ROWS * (C // 2 + C // 16),
+                                      n_rows - tl.program_id(0) * ROWS, C, ROWS, True, True, HW)  # fmt: skip
+        fp8_rc = f32_to_e4m3(tile.to(tl.float32), HW)
+    elif V3:  # fp16 tile holding e4m3 values: the cast back to e4m3 is exact
         fp8_rc = f32_to_e4m3(
             load_nvfp4_tile_f16(buf_ptr, row_off, is_row, C, ROWS, True, True, HW).to(tl.float32), HW
         )
@@ -382,12 +402,12 @@ def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.con
 def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
     """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
     (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).
-    variant "v3" (head dim 128 only) runs the word-wise decode of the v3 attention path."""
+    variant "v3" / "v5" (head dim 128 only) runs the decode of that attention path."""
     R, X = buf_RX.shape
     C = X * 16 // 9
-    if variant == "v3" and (C != V3_HEAD_DIM or buf_RX.data_ptr() % 8):
-        raise ValueError(f"the v3 decode reads 8-byte aligned 128-value rows, got C={C}")
+    if variant in ("v3", "v5") and (C != V3_HEAD_DIM or buf_RX.data_ptr() % 8 or buf_RX.stride(0) != X):
+        raise ValueError(f"the {variant} decode reads 8-byte aligned 128-value rows, got C={C}")
     out = torch.empty((R, C), dtype=torch.uint8, device=buf_RX.device)
     _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts(),
-                                                V3=variant == "v3")  # fmt: skip
+                                                V3=variant == "v3", V5=variant == "v5")  # fmt: skip
     return out.view(torch.float8_e4m3fn)

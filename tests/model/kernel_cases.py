@@ -29,6 +29,7 @@ GROUPS = {
         "indexer_batch1_split_context",
         "indexer_v3_c128_scores_and_selection_match_reference",
         "indexer_v4_every_ppi_scores_and_selection_match_reference",
+        "indexer_v5_scores_and_selection_equal_v3_bitwise",
     ],
     "attention": [
         "attention_bf16_matches_reference",
@@ -36,6 +37,7 @@ GROUPS = {
         "attention_empty_selection_gives_zeros",
         "attention_v3_v4_nvfp4_match_v2_and_emulated_reference",
         "attention_v3_dequant_bit_exact",
+        "attention_v5_output_and_dequant_equal_v3_bitwise",
     ],
     "moe": [
         "moe_matches_reference",
@@ -260,6 +262,33 @@ def indexer_v3_c128_scores_and_selection_match_reference(device):
     return True, ""
 
 
+def indexer_v5_scores_and_selection_equal_v3_bitwise(device):
+    """v5 (the coalesced flat-block NVFP4 decode) gives v3's block scores bit for bit and the same
+    selections, at pages of 16 and 32 tokens, ragged lengths and rows whose own page is partly
+    empty; scores and selections are poisoned first, so a block v5 skips fails."""
+    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
+
+    gen = torch.Generator().manual_seed(13)
+    for page, lens in [(16, [70, 33, 5]), (32, [100, 1])]:
+        _, dev = _index_problem("nvfp4", 128, page, lens, 8, 2, gen, device)
+        q, ic, table, seq, pos, _ = dev
+        v3 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v3").cpu()
+        v5 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v5").cpu()
+        for t in range(len(seq)):
+            nb = int(pos[t]) // page + 1
+            if not torch.equal(v5[t, :, :nb].view(torch.int32), v3[t, :, :nb].view(torch.int32)):
+                return False, f"page={page} row {t}: v5 scores {v5[t, :, :nb]} vs v3 {v3[t, :, :nb]}"
+        kw = dict(topk=3, local_blocks=1, init_blocks=1)
+        sel = {}
+        for variant in ("v3", "v5"):
+            poison = torch.full((len(seq), q.shape[1], 3), -7, dtype=torch.long, device=device)
+            sel[variant] = index_select_blocks_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, **kw,
+                                                      out_TNK=poison, variant=variant).cpu()  # fmt: skip
+        if not torch.equal(sel["v5"], sel["v3"]) or bool((sel["v5"] == -7).any()):
+            return False, f"page={page}: v5 selection {sel['v5']} vs v3 {sel['v3']}"
+    return True, ""
+
+
 def _nvfp4_block_scores_ref(cpu, page):
     """[T, N, blocks] reference block maxima (fp32) of the rows of an `_index_problem`."""
     from model.kv_cache import dequantize_kv, gather_pages
@@ -470,6 +499,39 @@ def attention_v3_dequant_bit_exact(device):
         n_bad = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
         if n_bad:
             return False, f"scale={scale}: {n_bad} bytes differ"
+    return True, ""
+
+
+def attention_v5_output_and_dequant_equal_v3_bitwise(device):
+    """v5 (coalesced flat-block NVFP4 decode; K unmasked, V masked by a scalar row bound) gives v3's
+    attention output bit for bit: split and dense walks, sub-tiles smaller than the page, -1 slots and
+    a group with no selected block; and its tile decode alone gives v3's e4m3 bits, with a row count
+    that leaves the last tile partly masked. Outputs are poisoned (NaN) first."""
+    from model import nvfp4
+    from model.kernels.triton_sparse_attention import nvfp4_rows_to_fp8_triton
+
+    gen = torch.Generator().manual_seed(14)
+    shapes = [(1, 16, 32, [100, 17], 4, 2, 1, None, False, (False, True)),
+              (2, 8, 64, [150, 40], 3, 2, 1, 32, True, (False,))]  # fmt: skip
+    for N, G, page, lens, width, K, rows, sub, empty, walks in shapes:
+        _, dev = _attn_problem("nvfp4", N, G, 128, page, lens, width, K, rows, gen, device, empty_row=empty)
+        for is_dense in walks:
+            sel_d = None if is_dense else dev[6]
+            v3 = _run_attention(dev, sel_d, sub_tile=sub, variant="v3")
+            v5 = _run_attention(dev, sel_d, sub_tile=sub, variant="v5")
+            if not torch.equal(v5.view(torch.int32), v3.view(torch.int32)):
+                return (
+                    False,
+                    f"N={N} page={page} dense={is_dense}: v5 differs from v3 by {(v5 - v3).abs().max()}",
+                )
+    x = torch.randn(37, 128, generator=gen) * torch.exp(3 * torch.randn(37, 1, generator=gen))
+    x[0, :16] = 0
+    x[1, 16:32] *= 1e-7
+    buf = nvfp4.kv_quantize(x, float(x.abs().max()) / 448, check_finite=False)
+    v3 = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v3").cpu().view(torch.uint8)
+    v5 = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v5").cpu().view(torch.uint8)
+    if not torch.equal(v5, v3):
+        return False, f"dequant: {int((v5 != v3).sum())} bytes differ"
     return True, ""
 
 
