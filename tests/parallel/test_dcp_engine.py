@@ -21,12 +21,12 @@ import torch.distributed as dist
 from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from model.parallel.groups import launch_local
-from rollout.engine import Completion, Request, SamplingParams
+from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
 from rollout.native.dcp import DCPEngine, run_dcp_replica
+from tests.parallel.completions import assert_same, plain
 
 HANG_S = 45.0  # a rank still running after this has deadlocked in a collective
-LOGPROB_ATOL = 1e-5
 ENGINE_KW = {"kv_dtype": "fp32", "index_dtype": "fp32", "max_batch_tokens": 64}
 SINGLE_PAGES = 96  # pages of 16 tokens
 DCP_PAGES = 32  # local pages per rank = table pages of 32 tokens
@@ -51,10 +51,6 @@ NVFP4_REQUESTS = [_req(120, 4, 10), _req(33, 3, 11)]
 NVFP4_KW = {"kv_dtype": "nvfp4", "index_dtype": "nvfp4", "max_batch_tokens": 64}
 PREFILL = _req(125, 3, 7)  # 8 blocks: 4 per rank
 PREFILL_KW = {"kv_dtype": "fp32", "index_dtype": "fp32", "max_batch_tokens": 128}
-
-
-def _plain(cs: list[Completion]) -> list[tuple]:
-    return [(c.request_id, c.sample_index, c.token_ids, c.logprobs, c.finish_reason) for c in cs]
 
 
 def _prefill_state(engine: NativeEngine) -> dict:
@@ -89,13 +85,13 @@ def _dcp_rank() -> dict:
     dcp = DCPEngine(model, DCP_PAGES, check_every=1, **ENGINE_KW)
     done = dcp.generate(REQUESTS)
     stats = dcp.stats()
-    out = {"rank": dist.get_rank(), "results": _plain(done), "steps": stats.steps}
+    out = {"rank": dist.get_rank(), "results": plain(done), "steps": stats.steps}
     out["shared_pages"] = stats.shared_prefix_pages
     out["checks"] = dcp.num_checks
     out["prefill"] = _prefill_state(DCPEngine(model, 8, **PREFILL_KW))
-    out["nvfp4"] = _plain(DCPEngine(model, 8, **NVFP4_KW).generate(NVFP4_REQUESTS))
+    out["nvfp4"] = plain(DCPEngine(model, 8, **NVFP4_KW).generate(NVFP4_REQUESTS))
     replica = run_dcp_replica(build_model, REPLICA_REQUESTS, max_pages=REPLICA_PAGES, **ENGINE_KW)
-    out["replica"] = _plain(replica)
+    out["replica"] = plain(replica)
     out["replica_preemptions"] = sum(c.num_preemptions for c in replica)
     try:  # rank 1 claims a completion rank 0 does not have: both must raise, none may hang
         dcp.check_agreement(done[:1] if out["rank"] == 1 else [])
@@ -112,17 +108,10 @@ def runs():
     torch.set_num_threads(1)
     model = build_model()
     single = NativeEngine(model, SINGLE_PAGES, **ENGINE_KW)
-    ref = {"results": _plain(single.generate(REQUESTS)), "replica": _plain(single.generate(REPLICA_REQUESTS))}
+    ref = {"results": plain(single.generate(REQUESTS)), "replica": plain(single.generate(REPLICA_REQUESTS))}
     ref["prefill"] = _prefill_state(NativeEngine(model, 16, **PREFILL_KW))
-    ref["nvfp4"] = _plain(NativeEngine(model, 16, **NVFP4_KW).generate(NVFP4_REQUESTS))
+    ref["nvfp4"] = plain(NativeEngine(model, 16, **NVFP4_KW).generate(NVFP4_REQUESTS))
     return dcp, ref
-
-
-def _assert_same(got: list[tuple], want: list[tuple], what: str) -> None:
-    assert len(got) == len(want), what
-    for g, w in zip(got, want):
-        assert g[1:3] == w[1:3] and g[4] == w[4], f"{what}: {g[0]} tokens differ"
-        torch.testing.assert_close(g[3], w[3], atol=LOGPROB_ATOL, rtol=0, msg=f"{what}: {g[0]} logprobs")
 
 
 def test_dcp_two_ranks_greedy_and_seeded_completions_equal_single_engine(runs):
@@ -131,8 +120,8 @@ def test_dcp_two_ranks_greedy_and_seeded_completions_equal_single_engine(runs):
     longest_blocks = -(-max(len(r.prompt_token_ids) for r in REQUESTS) // cfg.index_block_size)
     assert longest_blocks > 4 * cfg.index_topk_blocks  # the indexer drops blocks: selection matters
     for res in dcp:  # every rank returns every completion, in request order
-        _assert_same(res["results"], ref["results"], f"rank {res['rank']}")
-        _assert_same(res["replica"], ref["replica"], f"run_dcp_replica rank {res['rank']}")
+        assert_same(res["results"], ref["results"], f"rank {res['rank']}")
+        assert_same(res["replica"], ref["replica"], f"run_dcp_replica rank {res['rank']}")
         assert res["checks"] == res["steps"] + 1  # agreement checked after every step and at the end
         assert res["shared_pages"] == 3  # the 2-sample group forked: 3 full 32-token table pages shared
         assert res["replica_preemptions"] > 0  # same decisions on both ranks, preemption included
@@ -142,7 +131,7 @@ def test_dcp_two_ranks_greedy_and_seeded_completions_equal_single_engine(runs):
 def test_dcp_two_ranks_nvfp4_cache_completions_equal_single_engine(runs):
     dcp, ref = runs
     for res in dcp:
-        _assert_same(res["nvfp4"], ref["nvfp4"], f"nvfp4 rank {res['rank']}")
+        assert_same(res["nvfp4"], ref["nvfp4"], f"nvfp4 rank {res['rank']}")
 
 
 def test_dcp_each_rank_holds_half_the_kv_pages_and_exactly_its_blocks(runs):
@@ -172,10 +161,10 @@ def test_dcp_engine_single_process_equals_plain_engine():
     torch.set_num_threads(1)
     model = build_model()
     reqs = [_req(70, 4, 8), _req(40, 3, 9, n=2)]
-    want = _plain(NativeEngine(model, 32, **ENGINE_KW).generate(reqs))
+    want = plain(NativeEngine(model, 32, **ENGINE_KW).generate(reqs))
     dcp = DCPEngine(model, 32, check_every=1, **ENGINE_KW)  # no process group: a world of one
     assert dcp.cache.table_page_size == dcp.cache.page_size
-    _assert_same(_plain(dcp.generate(reqs)), want, "world 1")
+    assert_same(plain(dcp.generate(reqs)), want, "world 1")
 
 
 def test_dcp_engine_refuses_dspark_and_a_prebuilt_cache_with_dtypes():

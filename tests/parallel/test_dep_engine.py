@@ -22,12 +22,12 @@ from model.layers.moe import MoE
 from model.modeling import MiniMaxM3ForCausalLM
 from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_parallel
 from model.parallel.groups import launch_local
-from rollout.engine import Completion, Request, SamplingParams
+from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
 from rollout.native.dep import DEPEngine, run_dep_replica, split_requests
+from tests.parallel.completions import assert_same, plain
 
 HANG_S = 45.0  # a rank still running after this has deadlocked in a collective
-LOGPROB_ATOL = 1e-5
 ENGINE_KW = {"max_pages": 64, "kv_dtype": "fp32", "index_dtype": "fp32"}
 
 
@@ -70,10 +70,6 @@ def _expert_bytes(model: torch.nn.Module) -> int:
     )
 
 
-def _plain(cs: list[Completion]) -> list[tuple]:
-    return [(c.request_id, c.sample_index, c.token_ids, c.logprobs, c.finish_reason) for c in cs]
-
-
 def _dep_rank() -> dict:
     watchdog = threading.Timer(HANG_S, os._exit, args=(17,))  # a hung rank dies: the launch fails
     watchdog.daemon = True
@@ -86,10 +82,10 @@ def _dep_rank() -> dict:
     for name, reqs in SCENARIOS.items():
         dep.distribute = DISTRIBUTE.get(name, "round_robin")
         idle0 = dep.idle_steps
-        out["results"][name] = _plain(dep.generate(reqs))
+        out["results"][name] = plain(dep.generate(reqs))
         out["idle_steps"][name] = dep.idle_steps - idle0
     # The one-call entry point, from a model factory (a fresh replica in the same group).
-    out["replica"] = _plain(run_dep_replica(build_model, SCENARIOS["balanced"], **ENGINE_KW))
+    out["replica"] = plain(run_dep_replica(build_model, SCENARIOS["balanced"], **ENGINE_KW))
     out["rank"] = dist.get_rank()
     watchdog.cancel()
     return out
@@ -100,22 +96,15 @@ def runs():
     dep = launch_local(_dep_rank, 2)
     torch.set_num_threads(1)
     single = NativeEngine(build_model(), **ENGINE_KW)
-    ref = {name: _plain(single.generate(reqs)) for name, reqs in SCENARIOS.items()}
+    ref = {name: plain(single.generate(reqs)) for name, reqs in SCENARIOS.items()}
     return dep, ref
-
-
-def _assert_same(got: list[tuple], want: list[tuple], what: str) -> None:
-    assert len(got) == len(want), what
-    for g, w in zip(got, want):
-        assert g[1:3] == w[1:3] and g[4] == w[4], f"{what}: {g[0]} tokens differ"
-        torch.testing.assert_close(g[3], w[3], atol=LOGPROB_ATOL, rtol=0, msg=f"{what}: {g[0]} logprobs")
 
 
 def test_dep_two_ranks_greedy_and_seeded_completions_equal_single_engine(runs):
     dep, ref = runs
     for name in SCENARIOS:
         for res in dep:  # every rank returns every completion, in request order
-            _assert_same(res["results"][name], ref[name], f"rank {res['rank']} {name}")
+            assert_same(res["results"][name], ref[name], f"rank {res['rank']} {name}")
     assert sum(len(c[2]) for c in ref["balanced"]) == 6 + 3 * 2 + 8 + 4 + 5  # ignore_eos: full lengths
     assert dep[0]["results"]["balanced"][3][2] != ref["balanced"][0][2]  # distinct requests, not one echo
 
@@ -123,7 +112,7 @@ def test_dep_two_ranks_greedy_and_seeded_completions_equal_single_engine(runs):
 def test_dep_run_dep_replica_from_factory_equals_single_engine(runs):
     dep, ref = runs
     for res in dep:
-        _assert_same(res["replica"], ref["balanced"], f"replica rank {res['rank']}")
+        assert_same(res["replica"], ref["balanced"], f"replica rank {res['rank']}")
 
 
 def test_dep_uneven_split_rank_without_requests_runs_idle_steps_and_completes(runs):
@@ -170,7 +159,7 @@ def test_dep_engine_single_process_without_distributed_equals_plain_engine():
     reqs = SCENARIOS["by_length"]
     torch.set_num_threads(1)
     model = build_model()
-    want = _plain(NativeEngine(model, **ENGINE_KW).generate(reqs))
+    want = plain(NativeEngine(model, **ENGINE_KW).generate(reqs))
     apply_expert_parallel(model, None)  # no process group: a world of one, no collective
-    got = _plain(DEPEngine(NativeEngine(model, **ENGINE_KW), distribute="by_length").generate(reqs))
-    _assert_same(got, want, "world 1")
+    got = plain(DEPEngine(NativeEngine(model, **ENGINE_KW), distribute="by_length").generate(reqs))
+    assert_same(got, want, "world 1")
