@@ -149,7 +149,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         """A paged cache laid out for this model (per-layer dtypes from the config unless `dtype`
         overrides) with each layer's K/V/index scales installed, as `forward(kv_sim=True)` uses them."""
         device = device if device is not None else self.lm_head.weight.device
-        cache = KVCache(self.config, num_pages, device=device, **kwargs)
+        return self.install_kv_scales(KVCache(self.config, num_pages, device=device, **kwargs))
+
+    def install_kv_scales(self, cache: KVCache) -> KVCache:
+        """Give `cache` (any KVCache, e.g. a DCP shard) each layer's K/V/index scales; returns it."""
         for i, layer in enumerate(self.model.layers):
             cache.set_scales(i, *layer.self_attn.kv_scales())
         return cache

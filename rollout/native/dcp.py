@@ -67,16 +67,14 @@ class DCPEngine(NativeEngine):
     ):
         if check_every < 0:
             raise ValueError(f"check_every must be >= 0 (0 = never), got {check_every}")
-        if engine_kwargs.get("drafter") is not None:
+        if engine_kwargs.get("drafter") is not None:  # also at world 1, where NativeEngine cannot tell
             raise ValueError(
                 "DSpark speculation is not supported in a DCP replica yet (its drafter cache and verify "
                 "pass are single-rank); build the DCPEngine without a drafter"
             )
         device = model.lm_head.weight.device
         cache = DCPKVCache(model.config, max_pages, group, device, dtype=kv_dtype, index_dtype=index_dtype)
-        for i, layer in enumerate(model.model.layers):  # the scales forward(kv_sim=True) uses
-            cache.set_scales(i, *layer.self_attn.kv_scales())
-        super().__init__(model, max_pages, cache=cache, **engine_kwargs)
+        super().__init__(model, max_pages, cache=model.install_kv_scales(cache), **engine_kwargs)
         self.group = group
         self.rank, self.world = cache.layout.rank, cache.layout.world
         self.check_every = check_every
