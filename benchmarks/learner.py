@@ -160,7 +160,16 @@ def measure(variant, cfg, device, dtype, args) -> dict:
     return row
 
 
-def memory_table(small: ModelConfig, preset: str, rows: dict) -> list[dict]:
+def adapter_bytes(cfg: ModelConfig, rank: int) -> int:
+    """Bytes of the recipes' default adapter (rank `rank` on attention, fp32) of `cfg`, from the model
+    built on the meta device (no memory): the adapter-sync bytes a step moves for that model."""
+    with torch.device("meta"):
+        model = MiniMaxM3ForCausalLM(cfg)
+    apply_lora(model, LoRAConfig(r=rank, alpha=2.0 * rank), seed=0)
+    return lora_num_bytes(model)
+
+
+def memory_table(small: ModelConfig, preset: str, rows: dict, rank: int = 32) -> list[dict]:
     """Capacity-planner figures (m3.1-flash and the measured preset) beside the measured learner."""
     out = []
     for name in ("m3.1-flash", preset):
@@ -173,6 +182,7 @@ def memory_table(small: ModelConfig, preset: str, rows: dict) -> list[dict]:
                 "checkpoint_bytes": capacity.checkpoint_bytes(cfg),
                 "bytes_per_param": capacity.checkpoint_bytes(cfg) / n,
                 "kv_bytes_per_token": capacity.kv_bytes_per_token(cfg),
+                "adapter_bytes": adapter_bytes(cfg, rank),
                 "source": "capacity planner",
             }
         )
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_memory_ratio": rows["bf16"]["peak_bytes"] / rows["nvfp4"]["peak_bytes"],
         "weight_memory_ratio": rows["bf16"]["weight_bytes"] / rows["nvfp4"]["weight_bytes"],
     }
-    mem = memory_table(cfg, args.preset, rows)
+    mem = memory_table(cfg, args.preset, rows, args.rank)
     out = (
         [{**header, **r} for r in rows.values()]
         + [{**header, "summary": ratio}]
@@ -277,12 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         f"peak memory {ratio['peak_memory_ratio']:.2f}x lower "
         f"(target >= 2x), weights {ratio['weight_memory_ratio']:.2f}x lower"
     )
-    log("\n| preset | source | params | bytes/param | KV B/token | learner activation B/token |")
-    log("| --- | --- | --- | --- | --- | --- |")
+    log("\n| preset | source | params | bytes/param | KV B/token | learner activation B/token | adapter GB |")
+    log("| --- | --- | --- | --- | --- | --- | --- |")
     for m in mem:
         log(
             f"| {m['preset']} | {m['source']} | {m['params'] / 1e9:.3f}e9 | {m['bytes_per_param']:.3f} | "
-            f"{m.get('kv_bytes_per_token', '')} | {m.get('activation_bytes_per_token', '')} |"
+            f"{m.get('kv_bytes_per_token', '')} | {m.get('activation_bytes_per_token', '')} | "
+            f"{m['adapter_bytes'] / 1e9 if 'adapter_bytes' in m else ''} |"
         )
     return 0
 
