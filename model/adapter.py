@@ -51,6 +51,7 @@ from model.layers.lora import (
     PROJECTOR_TARGETS,
     ExpertLoRA,
     LoRAConfig,
+    OffsetExpertLoRA,
     apply_lora,
     load_lora_state_dict,
     lora_state_dict,
@@ -433,4 +434,4 @@ def to_hf_twin(model: nn.Module) -> nn.Module:
 
 
 def has_expert_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, ExpertLoRA) for m in model.modules())
+    return any(isinstance(m, ExpertLoRA | OffsetExpertLoRA) for m in model.modules())

@@ -43,10 +43,11 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -54,6 +55,7 @@ from model import nvfp4
 from model.config import ModelConfig
 from model.integrity import IntegrityError, fsync_path, verify_manifest, write_manifest
 from model.layers.attention import Attention
+from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from model.vision.weights import VisionWeightError, load_vision_checkpoint, vision_state_for_save
@@ -104,14 +106,15 @@ def _keys(file: Path) -> list[str]:
         ) from e
 
 
-def verify_shards(path: str | os.PathLike) -> bool:
-    """Check every shard of the checkpoint at `path` against its checksums.json. True: verified;
-    False: no manifest (older checkpoint, warned once); CheckpointError naming the bad shard."""
+def verify_shards(path: str | os.PathLike, only: Callable[[str], bool] | None = None) -> bool:
+    """Check every shard of the checkpoint at `path` (with `only`: every shard holding a tensor name
+    it accepts) against its checksums.json. True: verified; False: no manifest (older checkpoint,
+    warned once); CheckpointError naming the bad shard."""
     path = Path(path)
     if not (path / INDEX_FILE).exists() and (path / SINGLE_FILE).exists():
         shards = {SINGLE_FILE}  # before parsing its header, which a damaged file may break
     else:
-        shards = {f.name for f in _shard_files(path).values()}
+        shards = {f.name for name, f in _shard_files(path).items() if only is None or only(name)}
     try:
         return verify_manifest(path, shards, what="model checkpoint")
     except IntegrityError as e:
@@ -119,16 +122,22 @@ def verify_shards(path: str | os.PathLike) -> bool:
 
 
 def iter_tensors(
-    path: str | os.PathLike, device: str | torch.device = "cpu", verify: bool = True
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    only: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs shard by shard; one tensor is resident at a time. `verify`
-    first checks the shards' checksums (one extra read of the files; see `verify_shards`)."""
+    first checks the shards' checksums (one extra read of the files; see `verify_shards`). `only`
+    (a predicate on stored names): the other tensors are neither read nor verified (an
+    expert-parallel rank reads its own experts' bytes only)."""
     path = Path(path)
     if verify:
-        verify_shards(path)
+        verify_shards(path, only)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in _shard_files(path).items():
-        by_file[file].append(name)
+        if only is None or only(name):
+            by_file[file].append(name)
     for file, names in sorted(by_file.items()):
         try:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
@@ -180,17 +189,25 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     config: ModelConfig | None = None,
     verify: bool = True,
+    expert_range: tuple[int, int] | None = None,
 ) -> MiniMaxM3ForCausalLM:
     """Load a checkpoint directory written by `save_model`, `model.convert` or upstream.
 
     `config` overrides the directory's config.json, e.g. to quantize bf16 experts to NVFP4 while
     loading (the bank quantizes each expert as it arrives: the bf16 bank never exists whole).
     `verify` checks the shards against checksums.json before reading any weight.
+    `expert_range` [lo, hi): every routed-expert bank holds (allocates, reads, verifies) only those
+    experts, as an expert-parallel rank needs (`expert_ranges(E, W)[rank]`); the model then runs
+    only under `model.parallel.expert_parallel.apply_expert_parallel` with that rank's range.
     """
     path = Path(path)
     cfg = config or ModelConfig.from_pretrained(path)
     with torch.device("meta"):
         model = MiniMaxM3ForCausalLM(cfg)
+    lo, hi = _check_expert_range(expert_range, cfg, path)
+    if expert_range is not None:
+        for _, moe in _moe_blocks(model):
+            moe.experts = ExpertBank.empty_shard(moe.experts, lo, hi)
     model.to_empty(device=device)
     model.to(dtype)  # float parameters only; quantized buffers keep their integer/fp8 dtypes
     _restore_fp32_parts(model)
@@ -208,7 +225,12 @@ def load_model(
     unexpected: list[str] = []
     banks = dict(_banks(model))
 
-    for raw_name, tensor in iter_tensors(path, device="cpu", verify=verify):
+    def wanted(raw_name: str) -> bool:  # other ranks' experts are never read
+        m = _EXPERT_RE.match(_canonical(raw_name))
+        return m is None or lo <= int(m.group(3)) < hi
+
+    only = None if expert_range is None else wanted
+    for raw_name, tensor in iter_tensors(path, device="cpu", verify=verify, only=only):
         name = _canonical(raw_name)
         if name.startswith(_SKIPPED_PREFIXES):
             continue
@@ -264,7 +286,7 @@ def load_model(
     missing_experts = [
         f"{layer}.{e}"
         for layer, bank in banks.items()
-        for e in range(bank.num_experts)
+        for e in range(bank.first_expert, bank.first_expert + bank.num_experts)
         if f"{layer}.{e}" not in loaded
     ]
     missing += missing_experts
@@ -284,12 +306,13 @@ def _expert_tensor_count(have: dict[str, torch.Tensor]) -> int:
 
 
 def _load_expert(bank, bank_name: str, e: int, tensors: dict[str, torch.Tensor], device, path: Path) -> None:
-    if e >= bank.num_experts:
+    """Global expert `e` into its row of `bank` (a partial bank: row e - first_expert)."""
+    if e >= bank.total_experts:
         raise CheckpointError(
-            f"{path}: expert index {e} in {bank_name} >= num_local_experts {bank.num_experts}"
+            f"{path}: expert index {e} in {bank_name} >= num_local_experts {bank.total_experts}"
         )
     try:
-        bank.load_expert_state(e, {k: v.to(device) for k, v in tensors.items()})
+        bank.load_expert_state(e - bank.first_expert, {k: v.to(device) for k, v in tensors.items()})
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{path}: {bank_name}.{e}: {err}") from err
 
@@ -315,6 +338,28 @@ def _restore_fp32_parts(model: MiniMaxM3ForCausalLM) -> None:
 def _is_derived(name: str) -> bool:
     """Buffers computed at construction (not stored in checkpoints)."""
     return name.endswith(("inv_freq", "k_scale", "v_scale", "index_k_scale"))
+
+
+def _check_expert_range(expert_range, cfg: ModelConfig, path: Path) -> tuple[int, int]:
+    """[lo, hi) to keep (the whole layer without `expert_range`), validated against the config."""
+    e = cfg.num_local_experts
+    if expert_range is None:
+        return 0, e
+    lo, hi = expert_range
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if not (0 <= lo < hi <= e) or not n_moe:
+        raise CheckpointError(
+            f"{path}: expert_range={tuple(expert_range)} is not a non-empty range of this model's "
+            f"{e} routed experts (MoE layers: {n_moe}); use "
+            "model.parallel.expert_parallel.expert_ranges(num_experts, world)[rank]"
+        )
+    return lo, hi
+
+
+def _moe_blocks(model: MiniMaxM3ForCausalLM):
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer, "block_sparse_moe"):
+            yield i, layer.block_sparse_moe
 
 
 def _banks(model: MiniMaxM3ForCausalLM):
@@ -407,6 +452,11 @@ class ShardWriter:
 
 def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
     """Write config + shards + index, one tensor resident at a time beyond the current shard."""
+    if any(bank.is_partial for _, bank in _banks(model)):
+        raise CheckpointError(
+            "save_model: the model holds a shard of its experts (an expert-parallel rank); save the base "
+            "from a whole model (load_model without expert_range)"
+        )
     path = Path(path)
     writer = ShardWriter(path, max_shard_bytes)
     model.config.save_pretrained(path)
@@ -416,9 +466,76 @@ def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_b
 
 
 # ---------------------------------------------------------------------------- identity
-def base_fingerprint(model: torch.nn.Module, skip: tuple[str, ...] = ("lora_",)) -> str:
-    """sha256 over every base tensor's bytes (names sorted; adapter tensors skipped). Equal
-    fingerprints on the learner and an engine mean bit-identical NVFP4 codes, scales and weights."""
+FINGERPRINT_PREFIX = "fp2:"
+"""Fingerprints hash routed experts per expert (so expert-parallel shards can combine theirs); the
+first format (a bare hex digest) hashed each bank tensor whole: `base_fingerprint(..., legacy=True)`."""
+
+
+def base_fingerprint(
+    model: torch.nn.Module,
+    skip: tuple[str, ...] = ("lora_",),
+    group: dist.ProcessGroup | None = None,
+    legacy: bool = False,
+) -> str:
+    """sha256 over every base tensor (names sorted; adapter tensors skipped): name, dtype, and its
+    bytes, or for a routed-expert bank tensor [E, ...] the sha256 digests of its E expert rows in
+    global expert order. Equal fingerprints on the learner and an engine mean bit-identical NVFP4
+    codes, scales and weights, however each holds its experts: a model with partial banks (an
+    expert-parallel rank) gathers the other ranks' row digests over `group` (None: the default
+    group; collective: every rank of it calls this), so its fingerprint is the whole model's.
+    `legacy`: the first format (whole-tensor bytes), to check fingerprints recorded by it."""
+    # Persistent state only: wrappers such as ExpertParallelMoE add non-persistent bookkeeping buffers.
+    transient = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in model.named_modules()
+        for b in m._non_persistent_buffers_set
+    }
+    tensors = {
+        **dict(model.named_parameters()),
+        **{n: b for n, b in model.named_buffers() if n not in transient},
+    }
+    banks = {f"{n}.": b for n, b in model.named_modules() if isinstance(b, ExpertBank)}
+
+    def bank_of(name: str) -> ExpertBank | None:
+        prefix, _, leaf = name.rpartition(".")
+        return banks.get(f"{prefix}.") if "." not in leaf else None
+
+    names = [n for n in sorted(tensors) if not any(s in n for s in skip) and not _is_derived(n)]
+    if legacy:
+        if any(b.is_partial for b in banks.values()):
+            raise ValueError("base_fingerprint(legacy=True) needs whole expert banks (not a shard)")
+        return _legacy_fingerprint(model, skip)
+    rows: dict[str, list[bytes]] = {}  # bank tensor -> this process's expert-row digests
+    for name in names:
+        if bank_of(name) is not None:
+            t = _host_bytes_view(tensors[name])
+            rows[name] = [hashlib.sha256(r.numpy().tobytes()).digest() for r in t.reshape(t.shape[0], -1)]
+    if any(b.is_partial for b in banks.values()):
+        rows = _gather_expert_rows(rows, banks, bank_of, group)
+    h = hashlib.sha256()
+    for name in names:
+        t = tensors[name]
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(b"".join(rows[name]) if name in rows else _host_bytes_view(t).numpy().tobytes())
+    return FINGERPRINT_PREFIX + h.hexdigest()
+
+
+def fingerprint_matches(model: torch.nn.Module, recorded: str) -> str | None:
+    """The model's fingerprint in `recorded`'s format when it differs from `recorded` (None when equal):
+    fingerprints written before per-expert hashing are checked with the legacy format."""
+    fp = base_fingerprint(model, legacy=not recorded.startswith(FINGERPRINT_PREFIX))
+    return None if fp == recorded else fp
+
+
+def _host_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes on the host as uint8, leading dimension kept."""
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).reshape(t.shape[0], -1) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def _legacy_fingerprint(model: torch.nn.Module, skip: tuple[str, ...]) -> str:
+    """The first format, exactly: every parameter and buffer's whole bytes, names sorted."""
     h = hashlib.sha256()
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name in sorted(tensors):
@@ -429,3 +546,29 @@ def base_fingerprint(model: torch.nn.Module, skip: tuple[str, ...] = ("lora_",))
         h.update(str(t.dtype).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _gather_expert_rows(rows: dict[str, list[bytes]], banks: dict, bank_of, group) -> dict[str, list[bytes]]:
+    """Every rank's expert-row digests, concatenated in global expert order (collective)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "base_fingerprint: the model holds a shard of its experts (load_model(expert_range=...)) but "
+            "torch.distributed is not initialized; fingerprint it on every rank of its expert-parallel group"
+        )
+    mine = {name: (bank_of(name).first_expert, digests) for name, digests in rows.items()}
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    out: dict[str, list[bytes]] = {}
+    for name in rows:
+        total = bank_of(name).total_experts
+        held = {}
+        for part in parts:
+            first, digests = part[name]
+            held.update({first + i: d for i, d in enumerate(digests)})
+        if sorted(held) != list(range(total)):
+            raise RuntimeError(
+                f"base_fingerprint: the group's shards of {name} hold experts {sorted(held)[:8]}... "
+                f"not all {total} exactly once; every rank must load expert_ranges(E, W)[rank]"
+            )
+        out[name] = [held[e] for e in range(total)]
+    return out

@@ -28,6 +28,7 @@ from rl.workers import (
     Sample,
     adapter_tensors,
     build_policy,
+    dep_expert_range,
     load_adapter_tensors,
     policy_fingerprint,
 )
@@ -57,12 +58,15 @@ class Learner:
         torch.manual_seed(cfg.trainer.seed)
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
         self.cfg = cfg
-        self.model = build_policy(cfg, base_dir)
-        self.model.gradient_checkpointing = cfg.trainer.gradient_checkpointing
         self.is_dep = cfg.trainer.learner_parallel == "dep" and world > 1
+        # DEP: only this learner's routed experts are read and allocated (a 248 GB base never has to
+        # fit one device); `init_group` then wraps them in the expert-parallel MoE.
+        expert_range = dep_expert_range(base_dir, rank, world) if self.is_dep else None
+        self.model = build_policy(cfg, base_dir, expert_range)
+        self.model.gradient_checkpointing = cfg.trainer.gradient_checkpointing
         self.ep_group = None  # DEP: the learners' expert-parallel group (set by init_group)
         self.shards: dict = {}  # DEP: adapter parameter name -> ExpertShard, for sharded expert factors
-        self._fingerprint: str | None = None  # DEP: the unsharded base's, taken before sharding
+        self._fingerprint: str | None = None  # DEP: the whole base's, gathered over the group
         self._build_optimizer()
         self.version = 0
 
@@ -88,7 +92,11 @@ class Learner:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, legacy: bool = False) -> str:
+        """The base's fingerprint (`legacy`: the format recorded before per-expert hashing; not for
+        DEP learners, whose shards can only be fingerprinted in the current format)."""
+        if legacy:
+            return policy_fingerprint(self.model, legacy=True)
         return self._fingerprint or policy_fingerprint(self.model)
 
     # ------------------------------------------------------------------ data-parallel group
@@ -133,10 +141,11 @@ class Learner:
 
         if self.version != 0:
             raise RuntimeError("DEP sharding must happen before the first step (in init_group)")
-        self._fingerprint = policy_fingerprint(self.model)  # what the engines' unsharded base hashes to
         groups = ParallelGroups.build(ep_size=self.world, device=self.cfg.trainer.device)
         self.ep_group = groups.ep_group
         apply_expert_parallel(self.model, self.ep_group, shard_lora=True)
+        # Collective: the experts' row digests gathered over the group = the whole base's fingerprint.
+        self._fingerprint = policy_fingerprint(self.model, group=self.ep_group)
         self.shards = sharded_adapter_params(self.model)
         self._build_optimizer()
 

@@ -28,8 +28,9 @@ adapter, re-run the same call); the first call on the replica after that re-form
 rendezvous, the engine rebuilt). A rank that raises while the others stay blocked also kills the
 replica (the exception is re-raised); an error raised by every rank (bad input) kills nothing.
 
-Invariants: the replica's fingerprint is the unsharded base's (taken before any sharding); every rank
-holds the whole adapter (expert adapters index by global expert id), the same version everywhere.
+Invariants: the replica's fingerprint is the whole base's (a DEP rank loads only its experts,
+`load_model(expert_range=)`, and the ranks combine their per-expert digests); every rank holds the
+whole adapter (expert adapters index by global expert id), the same version everywhere.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from model.checkpoint import base_fingerprint
 from rl.config import TrainConfig
-from rl.workers import RolloutWorker
+from rl.workers import RolloutWorker, dep_expert_range
 
 # A replica's collectives wait at most one engine step for a peer; a rank still blocked after this
 # long has lost its peer (NCCL would otherwise wait its default 10 minutes).
@@ -61,7 +63,11 @@ class RolloutRank(RolloutWorker):
     def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0, rank: int = 0, world: int = 2):
         if cfg.rollout.engine_parallel == "none":
             raise ValueError("RolloutRank needs rollout.engine_parallel=dep or dcp")
-        super().__init__(cfg, base_dir, index)  # policy + fingerprint (unsharded) + NativeEngine
+        # DEP: this rank's routed experts only (their bytes are never read elsewhere); the fingerprint
+        # is gathered over the replica's group in init_group. DCP: the whole model on every rank.
+        dep = cfg.rollout.engine_parallel == "dep"
+        expert_range = dep_expert_range(base_dir, rank, world) if dep else None
+        super().__init__(cfg, base_dir, index, expert_range)  # policy + NativeEngine (+ fingerprint: dcp)
         self.rank, self.world = rank, world
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -95,6 +101,7 @@ class RolloutRank(RolloutWorker):
             from rollout.native.dep import DEPEngine
 
             apply_expert_parallel(self.model, None)
+            self._fingerprint = base_fingerprint(self.model)  # collective: every rank's expert digests
             self.engine = DEPEngine(self.engine, None, seed=self.cfg.trainer.seed + self.index)
             return
         from rollout.native.dcp import DCPEngine

@@ -48,15 +48,20 @@ class Sample:
     images: tuple = ()
 
 
-def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
+def build_policy(
+    cfg: TrainConfig, base_dir: str, expert_range: tuple[int, int] | None = None
+) -> torch.nn.Module:
     """Base (as stored: NVFP4 experts stay packed) + a fresh LoRA adapter, identical in every process.
-    model.family=hf: the Hugging Face model at `base_dir`, NVFP4-quantized on load (rl/hf_policy.py)."""
+    model.family=hf: the Hugging Face model at `base_dir`, NVFP4-quantized on load (rl/hf_policy.py).
+    `expert_range`: a DEP rank's routed experts only (`dep_expert_range`); the adapter is the whole one."""
     if cfg.model.family == "hf":
         from rl.hf_policy import build_hf_policy
 
         lc = cfg.lora
         return build_hf_policy(base_dir, cfg.model.dtype, lc.r, lc.alpha, lc.target_modules, cfg.trainer.seed)
-    model = load_model(base_dir, device=cfg.trainer.device, dtype=_DTYPES[cfg.model.dtype])
+    model = load_model(
+        base_dir, device=cfg.trainer.device, dtype=_DTYPES[cfg.model.dtype], expert_range=expert_range
+    )
     # The run's cache dtypes go into the model config, which both the engine's cache and the
     # learner's KV simulation (trainer.kv_sim) read: they cannot disagree.
     if cfg.rollout.kv_cache_dtype is not None:
@@ -64,6 +69,14 @@ def build_policy(cfg: TrainConfig, base_dir: str) -> torch.nn.Module:
     if cfg.rollout.index_cache_dtype is not None:
         model.config.index_cache_dtype = cfg.rollout.index_cache_dtype
     return apply_lora(model, lora_config(cfg), seed=cfg.trainer.seed)
+
+
+def dep_expert_range(base_dir: str, rank: int, world: int) -> tuple[int, int]:
+    """The routed experts [lo, hi) that DEP rank `rank` of `world` holds (loads, serves, trains)."""
+    from model.config import ModelConfig
+    from model.parallel.expert_parallel import expert_ranges
+
+    return expert_ranges(ModelConfig.from_pretrained(base_dir).num_local_experts, world)[rank]
 
 
 def lora_config(cfg: TrainConfig) -> LoRAConfig:
@@ -92,15 +105,23 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         load_lora_state_dict(model, tensors)
 
 
-def policy_fingerprint(model: torch.nn.Module) -> str:
-    return model.fingerprint() if hasattr(model, "fingerprint") else base_fingerprint(model)
+def policy_fingerprint(model: torch.nn.Module, legacy: bool = False, group=None) -> str:
+    """The base's fingerprint (collective over `group` when the model holds a shard of its experts;
+    `legacy`: the format of fingerprints recorded before per-expert hashing, model.checkpoint)."""
+    if hasattr(model, "fingerprint"):
+        return model.fingerprint()
+    return base_fingerprint(model, group=group, legacy=legacy)
 
 
 class RolloutWorker:
     """One engine replica: the native engine over the policy model, or vLLM (rollout.backend=vllm)
     over `base_dir`, which for model.family=hf is the dequantized twin of the learner's NVFP4 base."""
 
-    def __init__(self, cfg: TrainConfig, base_dir: str, index: int = 0):
+    def __init__(
+        self, cfg: TrainConfig, base_dir: str, index: int = 0, expert_range: tuple[int, int] | None = None
+    ):
+        """`expert_range`: a DEP rank's experts only (rl/replicas.py); the fingerprint is then taken
+        by the replica once its group exists."""
         torch.set_num_threads(max(1, cfg.rollout.torch_threads))
         self.cfg, self.index = cfg, index
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -110,8 +131,8 @@ class RolloutWorker:
             return
         from rollout.native.engine import NativeEngine
 
-        self.model = build_policy(cfg, base_dir).eval()
-        self._fingerprint = base_fingerprint(self.model)
+        self.model = build_policy(cfg, base_dir, expert_range).eval()
+        self._fingerprint = None if expert_range is not None else base_fingerprint(self.model)
         ds = cfg.rollout.dspark
         self.drafter, self.cotrainer, spec = None, None, None
         if ds.drafter is not None:

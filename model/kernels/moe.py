@@ -165,9 +165,14 @@ def _stacked_lora(bank: ExpertBank) -> tuple | None:
     """(A1, B1, A3, B3, A2, B2, scaling) of an adapter that keeps its per-expert factors stacked
     (`model.layers.lora.ExpertLoRA`: `w1/w2/w3.lora_A` [E, R, in], `.lora_B` [E, out, R]) and whose
     dropout is inactive; None for any other hook (it then runs on the torch path)."""
-    lora = bank.lora
+    # A whole-layer adapter behind a partial bank (`OffsetExpertLoRA`): the kernels index the factors
+    # by local expert id, so they get this bank's rows (views: gradients still reach the whole tensors).
+    lo = getattr(bank.lora, "offset", 0)
+    lora = getattr(bank.lora, "inner", bank.lora)
     try:
         factors = [getattr(getattr(lora, p), n) for p in ("w1", "w3", "w2") for n in ("lora_A", "lora_B")]
+        if lo or any(f.shape[0] != bank.num_experts for f in factors):
+            factors = [f[lo : lo + bank.num_experts] for f in factors]
         scaling = float(lora.scaling)
         dropout = lora.lora_dropout
     except AttributeError:

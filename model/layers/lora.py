@@ -214,12 +214,16 @@ class ExpertLoRA(nn.Module):
         dropout: float = 0.0,
         dtype: torch.dtype = torch.float32,
         generator: torch.Generator | None = None,
+        num_experts: int | None = None,
     ):
+        """`num_experts` (default: the bank's) sizes the factors; `apply_lora` passes a partial bank's
+        total_experts so the adapter covers (and draws exactly as) the whole layer."""
         super().__init__()
-        self.num_experts, self.r, self.alpha, self.scaling = bank.num_experts, r, float(alpha), alpha / r
+        n = bank.num_experts if num_experts is None else num_experts
+        self.num_experts, self.r, self.alpha, self.scaling = n, r, float(alpha), alpha / r
         device = bank.w1_weight.device
         for proj, (n_out, n_in) in bank.proj_shapes().items():
-            self.add_module(proj, _ProjLoRA(bank.num_experts, n_out, n_in, r, dtype, device, generator))
+            self.add_module(proj, _ProjLoRA(n, n_out, n_in, r, dtype, device, generator))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, e: int, proj: Proj, x_MI: torch.Tensor) -> torch.Tensor:
@@ -231,6 +235,26 @@ class ExpertLoRA(nn.Module):
     def delta_weight(self, e: int, proj: Proj) -> torch.Tensor:
         p: _ProjLoRA = getattr(self, proj)
         return (p.lora_B[e].float() @ p.lora_A[e].float()) * self.scaling
+
+
+class OffsetExpertLoRA(nn.Module):
+    """A whole-layer per-expert adapter seen from a partial bank: local expert e -> global e + offset.
+
+    It registers the wrapped adapter's children and parameters under their own names, so the
+    adapter's state-dict names (`experts.lora.w1.lora_A`, ...) and tensors are the whole layer's
+    (adapter sync and export are unchanged); only the expert index is shifted."""
+
+    def __init__(self, inner: nn.Module, offset: int):
+        super().__init__()
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        for name, p in inner.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        object.__setattr__(self, "inner", inner)  # not a submodule: its tensors are registered above
+        self.offset = offset
+
+    def forward(self, e: int, proj, x_MI: torch.Tensor) -> torch.Tensor:
+        return self.inner(e + self.offset, proj, x_MI)
 
 
 # ------------------------------------------------------------------------------ model level
@@ -269,7 +293,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> nn.Module:
         lora = LoRALinear(lin, cfg.r, cfg.alpha, cfg.dropout, dtype, gen)
         model.get_submodule(parent_name).register_module(leaf, lora)
     for bank in banks:
-        bank.lora = ExpertLoRA(bank, cfg.r, cfg.alpha, cfg.dropout, dtype, gen)
+        # A partial bank (an expert-parallel shard loaded alone) gets the whole layer's adapter, drawn
+        # as a whole bank's would be (later draws and every expert's init stay rank-independent),
+        # reached through the local -> global offset; apply_expert_parallel may slice it.
+        lora = ExpertLoRA(bank, cfg.r, cfg.alpha, cfg.dropout, dtype, gen, num_experts=bank.total_experts)
+        bank.lora = OffsetExpertLoRA(lora, bank.first_expert) if bank.is_partial else lora
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     if cfg.projector_modules:

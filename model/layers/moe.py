@@ -107,6 +107,9 @@ class ExpertBank(nn.Module):
              `w_weight_scale_2` fp32 [E];
       mxfp8: buffers `w_weight` float8_e4m3fn [E, out, in], `w_weight_scale` uint8 E8M0 [E, out, in/32].
     `lora` is the per-expert adapter hook (an `ExpertDelta`, e.g. an nn.Module; None = no adapter).
+    A bank may hold a contiguous range of a layer's experts (expert parallelism): local expert i is
+    global expert `first_expert + i` of `total_experts`; a whole bank has first_expert 0 and
+    total_experts == num_experts. `lora` hooks are always called with local expert ids.
     """
 
     def __init__(
@@ -121,8 +124,16 @@ class ExpertBank(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         trainable: bool = False,
+        first_expert: int = 0,
+        total_experts: int | None = None,
     ):
         super().__init__()
+        total = num_experts if total_experts is None else total_experts
+        if not 0 <= first_expert < first_expert + num_experts <= total:
+            raise ValueError(
+                f"ExpertBank: experts [{first_expert}, {first_expert + num_experts}) do not fit in "
+                f"total_experts={total}"
+            )
         if fmt not in ("float", "nvfp4", "mxfp8"):
             raise ValueError(f"ExpertBank: fmt must be 'float', 'nvfp4' or 'mxfp8', got {fmt!r}")
         block = {"nvfp4": NVFP4_BLOCK, "mxfp8": MXFP8_BLOCK}.get(fmt, 1)
@@ -134,6 +145,7 @@ class ExpertBank(nn.Module):
         if trainable and fmt != "float":
             raise ValueError(f"ExpertBank: a {fmt} bank is frozen storage; trainable=True needs fmt='float'")
         self.num_experts = num_experts
+        self.first_expert, self.total_experts = first_expert, total
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.fmt: ExpertFormat = fmt
@@ -178,10 +190,20 @@ class ExpertBank(nn.Module):
         """Logical weight values held in quantized buffers (0 for a float bank: those are parameters)."""
         return 0 if self.fmt == "float" else 3 * self.num_experts * self.hidden_size * self.intermediate_size
 
+    @property
+    def is_partial(self) -> bool:
+        """True when the bank holds only some of its layer's experts (an expert-parallel shard)."""
+        return self.num_experts != self.total_experts
+
     def extra_repr(self) -> str:
+        part = (
+            f", experts=[{self.first_expert}, {self.first_expert + self.num_experts}) of {self.total_experts}"
+            if self.is_partial
+            else ""
+        )
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, fmt={self.fmt}"
+            f"intermediate_size={self.intermediate_size}, fmt={self.fmt}{part}"
         )
 
     # ------------------------------------------------------------------ building and loading
@@ -213,6 +235,21 @@ class ExpertBank(nn.Module):
         for i in range(e):
             bank.quantize_expert_(i, w1_EFD[i], w3_EFD[i], w2_EDF[i])
         return bank
+
+    @classmethod
+    def empty_shard(
+        cls, bank: ExpertBank, lo: int, hi: int, device: torch.device | str = "meta"
+    ) -> ExpertBank:
+        """An uninitialised bank for experts [lo, hi) of whole `bank`'s layer: same format, widths and
+        activation (for loaders and random initialisers that fill only a rank's experts)."""
+        ref = bank.w1_weight
+        return cls(
+            hi - lo, bank.hidden_size, bank.intermediate_size, bank.fmt,
+            swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
+            dtype=ref.dtype if bank.fmt == "float" else None, device=device,
+            trainable=bank.fmt == "float" and ref.requires_grad,
+            first_expert=lo, total_experts=bank.total_experts,
+        )  # fmt: skip
 
     @torch.no_grad()
     def quantize_expert_(self, e: int, w1_FD: torch.Tensor, w3_FD: torch.Tensor, w2_DF: torch.Tensor) -> None:
@@ -459,6 +496,12 @@ class MoE(nn.Module):
 
     def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [..., D] -> (out [..., D], RouterStats)."""
+        if self.experts.is_partial:
+            raise RuntimeError(
+                f"MoE: this block holds only a shard of its experts ({self.experts.extra_repr()}), "
+                "e.g. from load_model(..., expert_range=...); wrap the model with "
+                "model.parallel.expert_parallel.apply_expert_parallel over the expert-parallel group"
+            )
         x_TD = x.reshape(-1, x.shape[-1])
         topk_ids_TK, topk_weights_TK, logits_TE = self.route(x_TD)
         out_TD = moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts)

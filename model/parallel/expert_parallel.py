@@ -13,6 +13,12 @@ One forward:
   4. combine: the outputs go back by the reverse all-to-all, and the router weights are applied
      locally, accumulated in fp32 and rounded once, as `moe_experts_torch` does; the shared expert
      is added locally.
+A rank's shard comes either from a whole MoE (`shard_expert_bank` copies its rows) or, for a model
+too large for one device, straight from the checkpoint (`load_model(..., expert_range=)` builds
+partial banks: `ExpertBank.first_expert` / `total_experts`); the wrapper then uses the bank as it
+is. Expert adapters are built for the whole layer either way (`apply_lora` draws every expert's
+factors, so a shard's equal the whole model's) and either kept whole behind the local -> global
+offset (`OffsetExpertLoRA`, engines) or cut to this rank's experts (`shard_lora`, learners).
 The all-to-all is an autograd Function whose backward is the reverse all-to-all, so gradients
 reach the activations, the router and LoRA (dense or per-expert) through the exchange.
 
@@ -42,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.kernels.moe import moe_experts
-from model.layers.lora import ExpertLoRA
+from model.layers.lora import ExpertLoRA, OffsetExpertLoRA
 from model.layers.moe import ExpertBank, MoE, RouterStats
 from model.parallel.groups import group_rank, group_size
 
@@ -98,26 +104,6 @@ def all_to_all(
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-class _ShardLoRA(nn.Module):
-    """A per-expert adapter seen from an expert shard: local expert e -> global expert e + offset.
-
-    It registers the wrapped adapter's children and parameters under their own names, so the
-    adapter's state-dict names (`experts.lora.w1.lora_A`, ...) and tensors are the unsharded ones
-    (adapter sync and export are unchanged); only the expert index is shifted."""
-
-    def __init__(self, inner: nn.Module, offset: int):
-        super().__init__()
-        for name, child in inner.named_children():
-            self.add_module(name, child)
-        for name, p in inner.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        object.__setattr__(self, "_inner", inner)  # not a submodule: its tensors are registered above
-        self.offset = offset
-
-    def forward(self, e: int, proj, x_MI: torch.Tensor) -> torch.Tensor:
-        return self._inner(e + self.offset, proj, x_MI)
-
-
 def _slice_expert_lora(lora: ExpertLoRA, local: ExpertBank, lo: int, hi: int) -> ExpertLoRA:
     """An `ExpertLoRA` of the local bank holding copies of experts [lo, hi) of `lora` (new trainable
     Parameters: the adapter of those experts now lives on this rank only)."""
@@ -133,29 +119,35 @@ def _slice_expert_lora(lora: ExpertLoRA, local: ExpertBank, lo: int, hi: int) ->
 
 
 def shard_expert_bank(bank: ExpertBank, lo: int, hi: int, shard_lora: bool = False) -> ExpertBank:
-    """Experts [lo, hi) of `bank` as a bank of their own (copies of the stored tensors, same format,
-    same trainability). Its `lora` hook: with `shard_lora` and an `ExpertLoRA`, a sharded copy
-    (factors [hi - lo, ...], indexed by local expert id); otherwise the whole adapter, indexed by
-    global expert id (every rank keeps every expert's factors)."""
+    """Experts [lo, hi) of a whole `bank` as a partial bank of their own (copies of the stored tensors,
+    same format, same trainability, `first_expert` = lo). Its `lora` hook: with `shard_lora` and an
+    `ExpertLoRA`, a sharded copy (factors [hi - lo, ...], indexed by local expert id); otherwise the
+    whole adapter behind an `OffsetExpertLoRA` (every rank keeps every expert's factors)."""
+    if bank.is_partial:
+        raise ValueError(f"shard_expert_bank: the bank is already a shard ({bank.extra_repr()})")
     if not 0 <= lo < hi <= bank.num_experts:
         raise ValueError(f"shard_expert_bank: bad range [{lo}, {hi}) of {bank.num_experts} experts")
-    ref = bank.w1_weight
-    local = ExpertBank(
-        hi - lo, bank.hidden_size, bank.intermediate_size, bank.fmt,
-        swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
-        dtype=ref.dtype if bank.fmt == "float" else None, device=ref.device,
-        trainable=bank.fmt == "float" and ref.requires_grad,
-    )  # fmt: skip
+    local = ExpertBank.empty_shard(bank, lo, hi, device=bank.w1_weight.device)
     with torch.no_grad():
         for name, t in [*bank.named_parameters(recurse=False), *bank.named_buffers(recurse=False)]:
             getattr(local, name).copy_(t[lo:hi])
-    if shard_lora and isinstance(bank.lora, ExpertLoRA):
-        local.lora = _slice_expert_lora(bank.lora, local, lo, hi)
-    elif isinstance(bank.lora, nn.Module):
-        local.lora = _ShardLoRA(bank.lora, lo)
-    elif bank.lora is not None:  # a plain callable: shift the expert index in a closure
-        local.lora = lambda e, proj, x, _fn=bank.lora: _fn(e + lo, proj, x)
+    local.lora = bank.lora
+    _place_lora(local, shard_lora)
     return local
+
+
+def _place_lora(local: ExpertBank, shard_lora: bool) -> None:
+    """Give the partial bank `local` its adapter view: its hook holds, or will be given, the whole
+    layer's adapter (global expert ids). `shard_lora`: keep a trainable copy of this shard's experts
+    only (`ExpertLoRA` adapters); otherwise reach the whole adapter through the local -> global offset."""
+    lo, hi = local.first_expert, local.first_expert + local.num_experts
+    whole = local.lora.inner if isinstance(local.lora, OffsetExpertLoRA) else local.lora
+    if shard_lora and isinstance(whole, ExpertLoRA):
+        local.lora = _slice_expert_lora(whole, local, lo, hi)
+    elif isinstance(whole, nn.Module):
+        local.lora = OffsetExpertLoRA(whole, lo)
+    elif whole is not None:  # a plain callable: shift the expert index in a closure
+        local.lora = lambda e, proj, x, _fn=whole: _fn(e + lo, proj, x)
 
 
 @dataclass
@@ -191,15 +183,29 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, moe: MoE, ep_group: dist.ProcessGroup | None, shard_lora: bool = False):
         super().__init__()
         self.ep_group = ep_group
-        self.is_lora_sharded = shard_lora and isinstance(moe.experts.lora, ExpertLoRA)
+        bank = moe.experts
+        whole_lora = bank.lora.inner if isinstance(bank.lora, OffsetExpertLoRA) else bank.lora
+        self.is_lora_sharded = shard_lora and isinstance(whole_lora, ExpertLoRA)
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
-        self.num_experts = moe.experts.num_experts
+        self.num_experts = bank.total_experts
         self.ranges = expert_ranges(self.num_experts, self.ep_size)
         self.expert_lo, self.expert_hi = self.ranges[self.ep_rank]
         self.top_k, self.routed_scaling_factor = moe.top_k, moe.routed_scaling_factor
         self.gate = moe.gate
         self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
-        self.experts = shard_expert_bank(moe.experts, self.expert_lo, self.expert_hi, shard_lora)
+        if not bank.is_partial:
+            self.experts = shard_expert_bank(bank, self.expert_lo, self.expert_hi, shard_lora)
+        elif (bank.first_expert, bank.first_expert + bank.num_experts) == (self.expert_lo, self.expert_hi):
+            # Loaded as this rank's shard (load_model(..., expert_range=...)): used as it is.
+            self.experts = bank
+            _place_lora(bank, shard_lora)
+        else:
+            raise ValueError(
+                f"ExpertParallelMoE: rank {self.ep_rank} of {self.ep_size} owns experts "
+                f"[{self.expert_lo}, {self.expert_hi}) but its bank holds {bank.extra_repr()}; load it with "
+                f"expert_range=model.parallel.expert_parallel.expert_ranges({self.num_experts}, "
+                f"{self.ep_size})[{self.ep_rank}]"
+            )
         self.shared_experts = moe.shared_experts
         # Exclusive upper expert bound of each rank: destination = searchsorted(bounds, id, right).
         # On the bank's device: a model moved before wrapping must not leave these behind on the CPU.

@@ -29,6 +29,7 @@ CHECKS = [
     "unrouted_experts_and_padding_rows_stay_exact",
     "bf16_lora_matches_reference_within_bf16_rounding",
     "dispatch_uses_kernel_and_no_grad_reaches_nvfp4_buffers",
+    "expert_shard_with_whole_adapter_uses_its_own_experts_factors",
 ]
 SLOW_CHECKS = ["fp32_lora_large_groups_block64"]
 
@@ -153,6 +154,36 @@ def dispatch_uses_kernel_and_no_grad_reaches_nvfp4_buffers(device):
     err = (y.detach().float() - want).abs().max().item()
     tol = (1e-4 if x.dtype == torch.float32 else 3e-2) * want.abs().max().item()
     return err <= tol, f"dispatch vs torch path: max err {err} > {tol}"
+
+
+def expert_shard_with_whole_adapter_uses_its_own_experts_factors(device):
+    """An expert-parallel shard (experts 2..4 of 6) keeps the whole layer's adapter behind a local ->
+    global offset: the kernel must read global experts 2..4's factors, and their gradients must land
+    in those rows of the whole tensors."""
+    from model.kernels.moe import moe_experts, moe_experts_torch
+    from model.parallel.expert_parallel import shard_expert_bank
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bank, x, _, w = _problem(6, 64, 32, 7, 2, 4, 6, dtype, device)
+    shard = shard_expert_bank(bank, 2, 5)
+    ids = torch.stack([torch.randperm(3, generator=torch.Generator().manual_seed(t))[:2] for t in range(7)])
+    ids = ids.to(device)
+    y = moe_experts(x.clone().requires_grad_(), ids, w, shard)
+    if "NVFP4MoETrain" not in type(y.grad_fn).__name__:
+        return False, f"the shard took {type(y.grad_fn).__name__}, not the Triton training kernel"
+    y.float().square().sum().backward()
+    got = {n: p.grad.clone() for n, p in bank.lora.named_parameters()}
+    bank.lora.zero_grad()
+    want_y = moe_experts_torch(x, ids + 2, w, bank)
+    want_y.float().square().sum().backward()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for name, got_t, want_t in [("y", y.detach(), want_y.detach())] + [
+        (n, got[n], p.grad) for n, p in bank.lora.named_parameters()
+    ]:
+        err = (got_t.float() - want_t.float()).abs().max().item()
+        if not err <= tol * max(want_t.float().abs().max().item(), 1e-6):
+            return False, f"{name}: shard kernel vs whole-bank torch path max err {err}"
+    return True, ""
 
 
 def run_checks(names, device="cpu"):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.config import ModelConfig
-from model.layers.lora import ExpertLoRA
+from model.layers.lora import ExpertLoRA, OffsetExpertLoRA
 from model.layers.moe import MoE
 from model.parallel.dep_learner import (
     ExpertShard,
@@ -72,7 +72,8 @@ def _expert_bytes(model: torch.nn.Module) -> tuple[int, int]:
         if isinstance(m, MoE | ExpertParallelMoE):
             bank = m.experts
             store += _bytes([*bank.parameters(recurse=False), *bank.buffers(recurse=False)])
-            adapters += _bytes(bank.lora.parameters()) if isinstance(bank.lora, ExpertLoRA) else 0
+            if isinstance(bank.lora, ExpertLoRA | OffsetExpertLoRA):
+                adapters += _bytes(bank.lora.parameters())
     return store, adapters
 
 
@@ -147,7 +148,8 @@ def runs(tmp_path_factory):
     base = str(prepare_base(cfg, tmp))
     dep = launch_local(_dep_rank, 2, cfg, base)
     single = Learner(cfg, base)
-    ref = {"metrics": single.train_step(_samples(0)), "fingerprint": single.fingerprint()}
+    ref = {"bytes": _expert_bytes(single.model), "fingerprint": single.fingerprint()}
+    ref["metrics"] = single.train_step(_samples(0))
     ref["grads"] = _grads(single)
     ref["state"] = copy.deepcopy(single.state_dict())  # a snapshot: the next step updates in place
     ref["update1"] = single.adapter_update().tensors
@@ -198,13 +200,18 @@ def test_dep_expert_lora_grads_are_the_union_batch_rows_and_replicated_grads_mat
             _close(res["grads"][name], want, f"rank {r} {name}")
 
 
-def test_dep_each_learner_holds_half_the_routed_experts_and_their_adapters(runs):
-    dep, _ = runs
+def test_dep_each_learner_loads_and_keeps_only_half_the_routed_experts_and_their_adapters(runs):
+    dep, ref = runs
+    store_ref, lora_ref = ref["bytes"]
+    assert store_ref > 0 and lora_ref > 0
     for res in dep:
         (store0, lora0), (store1, lora1) = res["bytes_before"], res["bytes_after"]
-        assert store0 > 0 and lora0 > 0
-        assert store1 * 2 == store0 and lora1 * 2 == lora0
-    assert dep[0]["fingerprint"] == dep[1]["fingerprint"] == runs[1]["fingerprint"]  # the unsharded base
+        # Built from the checkpoint with its expert range: the other half was never allocated; the
+        # whole-layer adapter it starts from is cut to its experts' factors by init_group.
+        assert store0 * 2 == store_ref and lora0 == lora_ref
+        assert store1 * 2 == store_ref and lora1 * 2 == lora_ref
+    # Each learner gathers the other's expert digests: both hash to the whole base's fingerprint.
+    assert dep[0]["fingerprint"] == dep[1]["fingerprint"] == ref["fingerprint"]
 
 
 def test_dep_checkpoint_is_the_single_process_state_and_resumes_to_the_same_adapter(runs):
