@@ -62,11 +62,11 @@ from model.parallel.context_parallel import (
     dcp_sparse_attention,
     shard_pages,
 )
-from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_parallel
+from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_parallel, expert_ranges
 from model.parallel.groups import ParallelGroups, launch_local
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from random_init import random_model_, random_nvfp4_bank_
+from random_init import build_random_model, random_model_, random_nvfp4_bank_
 
 # Shapes: M3.1-Flash's MoE layer and MSA layer (FACTS 2), and a CPU-sized twin.
 PRESETS = {
@@ -259,22 +259,30 @@ def bench_dep_learner(
 
 # ---------------------------------------------------------------------------------- DEP engine
 def bench_dep_engine(p: dict, groups: ParallelGroups, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The native engine serving `engine_model` (random weights, NVFP4 routed experts and KV cache)
-    as one replica: a plain NativeEngine at world 1, a DEPEngine (data-parallel attention over the
-    ranks' own requests, experts sharded) at world W. Strong scaling: the same `engine_batches`
-    requests of `prompt_len` random tokens, `gen_tokens` greedy tokens each, split over the ranks.
-    Correctness (`greedy_match`): 4 requests' greedy tokens, fp32 model and cache, from the replica vs
-    the unsharded model's engine (mean fraction of each sequence equal before the first difference);
-    the timed runs are in the run's dtype."""
+    """The native engine serving `engine_model` (random weights, NVFP4 routed experts and KV cache;
+    `engine_layers` cuts it to its first layers) as one replica: a plain NativeEngine at world 1, a
+    DEPEngine (data-parallel attention over the ranks' own requests, experts sharded) at world W,
+    where every rank builds only its own experts (`build_random_model(..., expert_range=)`: a model
+    too large for one GPU is served). Strong scaling: the same `engine_batches` requests of
+    `prompt_len` random tokens, `gen_tokens` greedy tokens each, split over the ranks.
+    Correctness: 4 requests' greedy tokens, fp32 model and cache, returned as `check_tokens`; `main`
+    compares every world's with world 1's (`greedy_match`: mean fraction of each sequence equal
+    before the first difference). The timed runs are in the run's dtype."""
     from rollout.engine import Request, SamplingParams
     from rollout.native.dep import DEPEngine
     from rollout.native.engine import NativeEngine
 
     cfg = ModelConfig.preset(p["engine_model"])
-    with torch.device(device):
-        model = MiniMaxM3ForCausalLM(cfg)
-    random_model_(model, torch.Generator(device).manual_seed(0))
-    model.eval()  # fp32 for the correctness check: a random model's greedy tokens flip under bf16 noise
+    if p.get("engine_layers"):
+        n = p["engine_layers"]
+        cfg = dataclasses.replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n],
+                                  mlp_layer_types=cfg.mlp_layer_types[:n], num_mtp_modules=0)  # fmt: skip
+    W = groups.world_size
+    expert_range = expert_ranges(cfg.num_local_experts, W)[groups.rank] if W > 1 else None
+    # fp32 for the check: a random model's greedy tokens flip under bf16 noise.
+    model = build_random_model(cfg, device, seed=0, expert_range=expert_range)
+    if W > 1:
+        apply_expert_parallel(model, groups.ep_group)
     gen = torch.Generator().manual_seed(3)  # the same prompts on every rank
     sp = SamplingParams(temperature=0.0, max_tokens=p["gen_tokens"], ignore_eos=True)
 
@@ -285,28 +293,14 @@ def bench_dep_engine(p: dict, groups: ParallelGroups, device: torch.device, dtyp
     page = cfg.index_block_size
     pages_per_seq = -(-(p["prompt_len"] + p["gen_tokens"] + 16) // page)
 
-    def engine(batch: int, kv: str = "nvfp4") -> NativeEngine:
-        return NativeEngine(model, max_pages=batch * pages_per_seq + 8, max_batch_tokens=4096,
-                            max_num_seqs=batch, kv_dtype=kv)  # fmt: skip
+    def serve(reqs: list[Request], kv: str = "nvfp4") -> list:
+        eng = NativeEngine(model, max_pages=len(reqs) * pages_per_seq + 8, max_batch_tokens=4096,
+                           max_num_seqs=len(reqs), kv_dtype=kv)  # fmt: skip
+        return DEPEngine(eng, groups.ep_group).generate(reqs) if W > 1 else eng.generate(reqs)
 
     # The check runs an fp32 cache: NVFP4 KV rounding would turn fp32 summation-order noise in the
     # EP combine into visible logit changes (and flipped greedy tokens) that say nothing about DEP.
-    check = requests(4)
-    ref = [c.token_ids for c in engine(4, "fp32").generate(check)]  # unsharded model, before EP
-    W = groups.world_size
-    if W > 1:
-        apply_expert_parallel(model, groups.ep_group)
-
-    def serve(reqs: list[Request], kv: str = "nvfp4") -> list:
-        eng = engine(len(reqs), kv)
-        return DEPEngine(eng, groups.ep_group).generate(reqs) if W > 1 else eng.generate(reqs)
-
-    got = [c.token_ids for c in serve(check, "fp32")]
-    # Mean fraction of each reference sequence reproduced before the first differing token.
-    match = statistics.mean(
-        next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
-        for a, b in zip(got, ref, strict=True)
-    )
+    check = [c.token_ids for c in serve(requests(4), "fp32")]
     model.to(dtype)  # timed in the run's dtype (bf16 on the GPU); NVFP4 banks keep their dtypes
     experts = sum(
         _bytes(*m.experts.buffers(recurse=False))
@@ -318,10 +312,25 @@ def bench_dep_engine(p: dict, groups: ParallelGroups, device: torch.device, dtyp
         reqs = requests(batch)
         _reset_peak(device)
         t = _timed(lambda reqs=reqs: serve(reqs), max(1, p["reps"] // 5), device)
-        rows.append(dict(bench=f"dep_engine_b{batch}", step_s=t, tokens=batch * p["gen_tokens"],
-                         rel_err=1.0 - match, greedy_match=match, state_gb=experts / 1e9,
-                         peak_gb=_peak_gb(device)))  # fmt: skip
+        rows.append(dict(bench=f"dep_engine_b{batch}", step_s=t, tokens=batch * p["gen_tokens"], rel_err=0.0,
+                         check_tokens=check, state_gb=experts / 1e9, peak_gb=_peak_gb(device)))  # fmt: skip
     return rows
+
+
+def attach_greedy_match(rows: list[dict]) -> None:
+    """dep_engine rows: `greedy_match` of the world's check tokens against world 1's (None without a
+    world-1 run), `rel_err` = 1 - match; the tokens themselves are dropped from the rows."""
+    ref = {r["bench"]: r["check_tokens"] for r in rows if r["world"] == 1 and "check_tokens" in r}
+    for r in rows:
+        got = r.pop("check_tokens", None)
+        if got is None:
+            continue
+        want = ref.get(r["bench"])
+        match = None if want is None else statistics.mean(
+            next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
+            for a, b in zip(got, want, strict=True)
+        )  # fmt: skip
+        r["greedy_match"], r["rel_err"] = match, (None if match is None else 1.0 - match)
 
 
 BENCHES = ("ep", "dcp", "dep_learner", "dep_engine")
@@ -349,8 +358,6 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         first.pop("rank")
         first["step_s"] = max(r["step_s"] for r in rows)
         first["rel_err"] = max(r["rel_err"] for r in rows)
-        if "greedy_match" in first:
-            first["greedy_match"] = min(r["greedy_match"] for r in rows)
         if "dtype_rel_err" in first:
             first["dtype_rel_err"] = max(r["dtype_rel_err"] for r in rows)
         first["state_gb"] = max(r["state_gb"] for r in rows)
@@ -380,9 +387,13 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base[r['bench']]:.2f}x" if r["bench"] in base else "-"
         peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "-"
-        check = f"rel err {r['rel_err']:.1e}" + (", top-k identical" if r.get("topk_identical") else "")
-        if "greedy_match" in r:
-            check = f"greedy prefix equal (fp32): {r['greedy_match']:.0%}"
+        check = (
+            f"rel err {r['rel_err']:.1e}" + (", top-k identical" if r.get("topk_identical") else "")
+            if r["rel_err"] is not None
+            else "-"
+        )
+        if r.get("greedy_match") is not None:
+            check = f"greedy prefix equal to 1 GPU (fp32): {r['greedy_match']:.0%}"
         if "dtype_rel_err" in r:
             check += f" (the dtype's own vs fp32: {r['dtype_rel_err']:.1e})"
         if r.get("topk_identical") is False:
@@ -406,6 +417,8 @@ def main() -> None:
         default=None,
         help="comma-separated request counts for dep_engine (default 64,256)",
     )
+    ap.add_argument("--engine-model", default=None, help="dep_engine: a ModelConfig preset (default small)")
+    ap.add_argument("--engine-layers", type=int, default=None, help="dep_engine: keep the first N layers")
     ap.add_argument("--json", default=None, help="append one JSON line per result to this file")
     ap.add_argument(
         "--benches", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}"
@@ -419,6 +432,10 @@ def main() -> None:
     p.update(
         {k: getattr(args, k) for k in ("tokens", "context", "batch", "experts", "reps") if getattr(args, k)}
     )
+    if args.engine_model:
+        p["engine_model"] = args.engine_model
+    if args.engine_layers:
+        p["engine_layers"] = args.engine_layers
     if args.engine_batches:
         p["engine_batches"] = tuple(int(b) for b in args.engine_batches.split(","))
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -438,6 +455,7 @@ def main() -> None:
         rows = []
         for world in (int(w) for w in args.worlds.split(",")):
             rows += summarize(launch_local(bench_rank, world, p, args.device, benches, backend=backend))
+    attach_greedy_match(rows)
     for r in rows:
         r["shape"] = p
         print(json.dumps(r))
