@@ -27,9 +27,12 @@ NVFP4 decode (`load_nvfp4_tile_f16_v5`: consecutive threads on consecutive 16-va
 row), and its rows record whether its output equals the first version's bit for bit. Each NVFP4 and
 FP8 time is taken per version (FP8 / bf16 run v3's code under v4) and the ratio table prints NVFP4
 vs FP8 for each, plus NVFP4 of each later version vs the first one named.
+MoE (`--variants` including v6): the routed experts by the v2 tile kernel and by v6, the grouped split-K
+FMA GEMV (`model.kernels.triton_moe_gemv`), side by side; per variant the routed and layer times
+(layer ratio vs the bf16 torch layer), then ratio rows v6 vs v2. Without v6 only v2 runs.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v3 v5]
+       [--variants v3 v5]   (MoE v6 vs v2: --only moe --variants v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -52,6 +55,8 @@ from model.kernels.triton_indexer import (
 )
 from model.kernels.triton_kv_append import nvfp4_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
+from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
+from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
 from model.kernels.triton_sparse_attention import (
     _sparse_attn_tuned,
     _sparse_attn_v4_tuned,
@@ -63,6 +68,7 @@ from model.layers.moe import ExpertBank
 ROOFLINE_TBS = 4.17
 VARIANTS = ("v2", "v3", "v4", "v5")  # indexer / attention decode versions that can be timed side by side
 GEMV_VARIANTS = ("v2", "v3", "v4")  # the GEMV has no v5: `--variants` names it are skipped there
+MOE_VARIANTS = ("v2", "v6")  # routed MoE: v6 (grouped FMA GEMV) is timed beside v2 when named
 DEFAULT_VARIANTS = ("v2", "v3")  # without --variants (v3 last: the default dispatch)
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
@@ -349,7 +355,10 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> No
                    speedup=round(times[variants[0]] / times[variant], 2))  # fmt: skip
 
 
-def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
+def run_moe_layer(cfg: ModelConfig, device, T: int = 64, variants: tuple = ("v2",)) -> None:
+    """Routed experts (`moe_nvfp4_triton(variant=)`: v2 the tile kernel, v6 the grouped split-K FMA
+    GEMV of `triton_moe_gemv`) and the whole layer (+ the NVFP4 shared expert) per variant, vs the
+    naive torch NVFP4 path and a bf16 grouped torch layer; ratio rows v6 vs v2 (routed and layer)."""
     E, D, K = cfg.num_local_experts, cfg.hidden_size, cfg.num_experts_per_tok
     F_, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
@@ -363,27 +372,14 @@ def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
     x = torch.randn(T, D, device=device, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)])
     wts = torch.rand(T, K, device=device)
-
-    def triton_layer():
-        y = moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
-        return y + nvfp4_mlp_triton(x, s1, s3, s2, swiglu_alpha=alpha, swiglu_limit=limit)
+    kw = dict(swiglu_alpha=alpha, swiglu_limit=limit)
 
     nv = ExpertBank(E, D, F_, "nvfp4", device=device)
     for p, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         for suffix, t in zip(("weight", "weight_scale", "weight_scale_2"), w):
             getattr(nv, f"{p}_{suffix}").copy_(t)
-    routed = moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
     want = moe_experts_torch(x, ids, wts, nv)  # the naive torch NVFP4 path (dequantize tiles + matmul)
-    err = ((routed.float() - want.float()).abs().max() / want.float().abs().max()).item()
     t_naive = bench_slow(lambda: moe_experts_torch(x, ids, wts, nv))
-    t_routed = bench(
-        lambda: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
-    )
-    t_routed_graph = bench_graph(
-        lambda: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, swiglu_alpha=alpha, swiglu_limit=limit)
-    )
-    t_layer = bench(triton_layer)
-    t_layer_graph = bench_graph(triton_layer)
     bf = ExpertBank(E, D, F_, "float", dtype=torch.bfloat16, device=device)
     for p in ("w1", "w3", "w2"):
         getattr(bf, f"{p}_weight").data.normal_(0, 0.02)
@@ -398,27 +394,39 @@ def run_moe_layer(cfg: ModelConfig, device, T: int = 64) -> None:
     shape = f"T={T} E={E} top{K} +shared"
     routed_bytes = n_active * 3 * F_ * D * 9 / 16
     record("moe", shape, "naive torch nvfp4 routed", t_naive, routed_bytes)
-    record(
-        "moe",
-        shape,
-        "triton routed",
-        t_routed,
-        routed_bytes,
-        rel_err_vs_torch=round(err, 4),
-        graph_us=round(t_routed_graph, 1),
-        speedup_vs_naive=round(t_naive / t_routed, 1),
-    )
     record("moe", shape, "torch bf16 grouped layer", t_bf16, (n_active * 3 * F_ * D + 3 * Fs * D) * 2)
-    record(
-        "moe",
-        shape,
-        "triton layer",
-        t_layer,
-        routed_bytes + 3 * Fs * D * 9 / 16,
-        graph_us=round(t_layer_graph, 1),
-        speedup_vs_bf16=round(t_bf16 / t_layer, 2),
-        target=2.5,
-    )
+    t_routed, t_layer = {}, {}
+    for variant in variants:
+
+        def routed():
+            return moe_nvfp4_triton(x, ids, wts, w1, w3, w2, **kw, variant=variant)
+
+        def triton_layer():
+            return routed() + nvfp4_mlp_triton(x, s1, s3, s2, **kw)
+
+        got = routed()
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        t_routed[variant] = bench(routed)
+        t_routed_graph = bench_graph(routed)
+        t_layer[variant] = bench(triton_layer)
+        t_layer_graph = bench_graph(triton_layer)
+        if variant == "v6":
+            tuners = (("glu", _moe_gemv_glu_tuned), ("down", _moe_gemv_down_tuned))
+            config = "; ".join(f"{name} {getattr(t, 'best_config', None)}" for name, t in tuners)
+        else:
+            config = str(getattr(_nvfp4_moe_tuned, "best_config", None))
+        record("moe", shape, f"triton routed {variant}", t_routed[variant], routed_bytes,
+               rel_err_vs_torch=round(err, 4), graph_us=round(t_routed_graph, 1),
+               speedup_vs_naive=round(t_naive / t_routed[variant], 1), config=config)  # fmt: skip
+        record("moe", shape, f"triton layer {variant}", t_layer[variant], routed_bytes + 3 * Fs * D * 9 / 16,
+               graph_us=round(t_layer_graph, 1), speedup_vs_bf16=round(t_bf16 / t_layer[variant], 2),
+               target=2.5)  # fmt: skip
+    for variant in variants[1:]:
+        base = variants[0]
+        record("moe", shape, f"ratio routed {variant} vs {base}", t_routed[variant], 0,
+               speedup=round(t_routed[base] / t_routed[variant], 2))  # fmt: skip
+        record("moe", shape, f"ratio layer {variant} vs {base}", t_layer[variant], 0,
+               speedup=round(t_layer[base] / t_layer[variant], 2))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ append
@@ -454,9 +462,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
-    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
+    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=[*VARIANTS, "v6"],
                     help="indexer / attention / gemv versions to time side by side (the first is the "
-                         "baseline of the ratio rows)")  # fmt: skip
+                         "baseline of the ratio rows); v6 (MoE only): routed v6 beside v2")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json
@@ -473,22 +481,25 @@ def main() -> None:
     only = set(args.only or ["append", "indexer", "attention", "gemv", "moe"])
     contexts = args.contexts or ([32768] if args.quick else [32768, 131072])
     t0 = time.time()
+    kv_variants = tuple(v for v in args.variants if v in VARIANTS)  # v6 names the MoE path only
+    if not kv_variants:
+        only -= {"indexer", "attention"}
     if "append" in only:
         run_append(cfg, device)
     for B in args.batches:
         for ctx in contexts:
             small = B * ctx <= 64 * 32768
             if "indexer" in only:
-                run_indexer(cfg, B, ctx, device, with_torch=small, variants=tuple(args.variants))
+                run_indexer(cfg, B, ctx, device, with_torch=small, variants=kv_variants)
             if "attention" in only:
-                run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=tuple(args.variants))
+                run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=kv_variants)
             torch.cuda.empty_cache()
     if "gemv" in only:
         gemv_variants = tuple(v for v in args.variants if v in GEMV_VARIANTS)
         if gemv_variants:
             run_gemv(device, cfg.hidden_size, variants=gemv_variants)
     if "moe" in only:
-        run_moe_layer(cfg, device)
+        run_moe_layer(cfg, device, variants=tuple(v for v in MOE_VARIANTS if v == "v2" or v in args.variants))
     print_ratio_table()
     print(f"total {time.time() - t0:.0f} s")
 

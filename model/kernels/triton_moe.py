@@ -39,6 +39,8 @@ Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slo
 BM/BN/BK tile sizes (rows, output features, reduction).
 """
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,7 @@ from model.kernels.triton_common import (
     f32_to_bf16,
     num_sms,
     safe_do_bench,
+    tune_class,
     use_hw_casts,
 )
 
@@ -161,7 +164,7 @@ def _nvfp4_moe_kernel(
     wa_ptr, sa_ptr, sc2a_ptr, wb_ptr, sb_ptr, sc2b_ptr,
     stride_we, stride_wn, stride_se, stride_sn,
     out_ptr, stride_om,
-    n_rows, n_out, n_in, n_mblocks, swiglu_alpha, swiglu_limit,
+    n_rows, n_out, n_in, n_mblocks, swiglu_alpha, swiglu_limit, tune_class,
     TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     FUSE_GLU: tl.constexpr, GATHER_X: tl.constexpr, LINEAR: tl.constexpr, HW: tl.constexpr,
     PLANES: tl.constexpr,
@@ -247,27 +250,30 @@ _TUNED_CONFIGS = [
     ]
 ]  # fmt: skip
 _nvfp4_moe_tuned = triton.autotune(
-    _TUNED_CONFIGS, key=["n_out", "n_in", "n_mblocks", "n_rows"], do_bench=safe_do_bench
+    _TUNED_CONFIGS, key=["n_out", "n_in", "tune_class"], do_bench=safe_do_bench
 )(_nvfp4_moe_kernel)
 
 
-def _group_by_expert(ids_S: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [MB * BM] int32 slot or -1, block_expert [MB] int32 expert or -1), on device, no sync."""
+def _group_by_expert(
+    ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [MB * block_rows] int32 slot or -1, block_expert [MB] int32 expert or -1), on device, no
+    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`)."""
     S = ids_S.numel()
-    n_blocks = S // BM + min(S, n_experts)
+    n_blocks = S // block_rows + min(S, n_experts)
     ids_S = ids_S.long()
     order_S = torch.argsort(ids_S, stable=True)
     # scatter_add, not bincount: CUDA bincount reads the max id on the host (a sync per call).
     counts_E = torch.zeros(n_experts, dtype=torch.long, device=ids_S.device)
     counts_E.scatter_add_(0, ids_S, torch.ones_like(ids_S))
-    padded_E = (counts_E + BM - 1) // BM * BM
+    padded_E = (counts_E + block_rows - 1) // block_rows * block_rows
     pad_start_E = torch.cumsum(padded_E, 0) - padded_E
     start_E = torch.cumsum(counts_E, 0) - counts_E
     e_sorted = ids_S[order_S]
     dest = pad_start_E[e_sorted] + torch.arange(S, device=ids_S.device) - start_E[e_sorted]
-    rows = torch.full((n_blocks * BM,), -1, dtype=torch.int32, device=ids_S.device)
+    rows = torch.full((n_blocks * block_rows,), -1, dtype=torch.int32, device=ids_S.device)
     rows[dest] = order_S.to(torch.int32)
-    blocks_cum_E = torch.cumsum(padded_E // BM, 0)
+    blocks_cum_E = torch.cumsum(padded_E // block_rows, 0)
     block_expert = torch.searchsorted(blocks_cum_E, torch.arange(n_blocks, device=ids_S.device), right=True)
     block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
     return rows, block_expert
@@ -293,7 +299,7 @@ def _launch(x, rows, block_expert, router_w, wa, wb, out, topk, fuse_glu, gather
         x, x.stride(0), rows, block_expert, router_w,
         wa_p, wa_s, wa_2, wb_p, wb_s, wb_2,
         wa_p.stride(0), wa_p.stride(1), wa_s.stride(0), wa_s.stride(1),
-        out, out.stride(0), n_rows, N, n_in, n_mblocks, alpha, limit,
+        out, out.stride(0), n_rows, N, n_in, n_mblocks, alpha, limit, tune_class(n_mblocks, n_rows),
     )  # fmt: skip
     meta = dict(TOPK=topk, BM=BM, FUSE_GLU=fuse_glu, GATHER_X=gather_x, LINEAR=linear)
     if use_hw_casts() and N % 64 == 0 and n_in % 256 == 0 and N * n_in >= 1 << 20:  # small: one compile
@@ -317,16 +323,33 @@ def _parts(packed, scales, scale_2):
     return packed.view(torch.int32), scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
 
 
+MoeVariant = Literal["v2", "v6"]
+"""v2: this module's tile kernel; v6: the grouped split-K FMA GEMV of `model.kernels.triton_moe_gemv`
+for decode-sized batches (`use_moe_gemv`: <= 4 slots per expert on average), the tile kernel above.
+v6 is the default: on the H200 at T = 64, 128 experts top-4 (M3.1 widths) its routed path is 1.53x v2's
+and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5)."""
+
+
 def moe_nvfp4_triton(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,
-    out_TD: torch.Tensor | None = None,
+    out_TD: torch.Tensor | None = None, variant: MoeVariant = "v6",
 ) -> torch.Tensor:  # fmt: skip
     """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for bf16 x_TD [T, D]; each w* = (packed uint8
-    [E, out, in/2], scales e4m3 [E, out, in/16], scale_2 fp32 [E]). No host syncs."""
+    [E, out, in/2], scales e4m3 [E, out, in/16], scale_2 fp32 [E]). No host syncs. variant: see
+    `MoeVariant`."""
     T, D = x_TD.shape
     K = topk_ids_TK.shape[1]
     E, F = w1[0].shape[0], w1[0].shape[1]
+    if variant == "v6":
+        # Imported here: triton_moe_gemv builds on this module (grouping, word views).
+        from model.kernels.triton_moe_gemv import moe_nvfp4_gemv, use_moe_gemv
+
+        if use_moe_gemv(T * K, E):
+            return moe_nvfp4_gemv(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2, swiglu_alpha=swiglu_alpha,
+                                  swiglu_limit=swiglu_limit, out_TD=out_TD)  # fmt: skip
+    elif variant != "v2":
+        raise ValueError(f"moe_nvfp4_triton: variant must be one of {MoeVariant.__args__}, got {variant!r}")
     if out_TD is None:
         out_TD = torch.empty_like(x_TD)
     rows, block_expert = _group_by_expert(topk_ids_TK.reshape(-1), E)
