@@ -69,6 +69,18 @@ def is_compile_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMPILE_FAILURES)
 
 
+def tune_class(*sizes: int) -> int:
+    """One autotune key for launch sizes that vary from step to step (slots, rows, row blocks, work
+    items): the bit length of each, packed. A decode engine's batch changes at almost every step;
+    keyed by the exact sizes the autotuner re-benchmarked every configuration at each new size (the
+    first M3.1-width engine run on the H200 spent most of its time tuning), keyed by class it tunes
+    once per doubling. Every configuration is valid at any size: the class only picks the fastest."""
+    out = 0
+    for n in sizes:
+        out = out * 64 + max(0, int(n)).bit_length()
+    return out
+
+
 def safe_do_bench(kernel_call, quantiles, bench=None):
     """`do_bench` for `triton.autotune(do_bench=...)`: a configuration whose compile fails times as
     +inf (one warning per distinct message) so the tuner picks another instead of killing the

@@ -63,6 +63,7 @@ from model.kernels.triton_common import (
     num_sms,
     nvfp4_tile_to_fp8,
     safe_do_bench,
+    tune_class,
     use_hw_casts,
 )
 from model.kv_cache import PagedKV
@@ -109,7 +110,7 @@ def _sparse_attn_kernel(
     kscale_ptr, vscale_ptr, sm_scale_log2,
     out_ptr, stride_ot, stride_oh,
     part_ptr, ml_ptr,
-    n_slots, BPS, SPLITS, n_work,
+    n_slots, BPS, SPLITS, n_work, tune_class,
     G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
     FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
     HW: tl.constexpr, SUB: tl.constexpr, V3: tl.constexpr, V5: tl.constexpr,
@@ -227,7 +228,7 @@ _sparse_attn_tuned = triton.autotune(
         triton.Config({"SUB": sub}, num_warps=w, num_stages=st)
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
-    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3", "V5"],  # v2: shapes only
+    key=["tune_class", "FMT", "FP8_DOT", "V3", "V5"],
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -241,7 +242,7 @@ _sparse_attn_tuned = triton.autotune(
 V4_CONFIGS = ((64, 4, 3), (64, 4, 5), (128, 8, 5), (32, 2, 5))
 _sparse_attn_v4_tuned = triton.autotune(
     [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V4_CONFIGS],
-    key=["n_slots", "BPS", "SPLITS", "n_work", "FMT", "FP8_DOT", "V3", "V5"],
+    key=["tune_class", "FMT", "FP8_DOT", "V3", "V5"],
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -336,7 +337,7 @@ def sparse_attention_triton(
         sel, *sel_strides,
         kv_cache.k_scale, kv_cache.v_scale, softmax_scale * LOG2E,
         out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
-        n_slots, bps, splits, T * N,
+        n_slots, bps, splits, T * N, tune_class(n_slots, T * N),
         G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
         IS_SPLIT=splits > 1, HW=use_hw_casts(), V3=is_v3, V5=is_v5, **sub_kw,
     )  # fmt: skip
