@@ -184,8 +184,6 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.ep_group = ep_group
         bank = moe.experts
-        whole_lora = bank.lora.inner if isinstance(bank.lora, OffsetExpertLoRA) else bank.lora
-        self.is_lora_sharded = shard_lora and isinstance(whole_lora, ExpertLoRA)
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         self.num_experts = bank.total_experts
         self.ranges = expert_ranges(self.num_experts, self.ep_size)
@@ -207,6 +205,8 @@ class ExpertParallelMoE(nn.Module):
                 f"{self.ep_size})[{self.ep_rank}]"
             )
         self.shared_experts = moe.shared_experts
+        # `_place_lora` cut the adapter to this shard's experts exactly when it was sharded.
+        self.is_lora_sharded = isinstance(self.experts.lora, ExpertLoRA)
         # Exclusive upper expert bound of each rank: destination = searchsorted(bounds, id, right).
         # On the bank's device: a model moved before wrapping must not leave these behind on the CPU.
         dev = moe.e_score_correction_bias.device
