@@ -7,7 +7,7 @@ number is reported (exact on CPU fp32; on a bf16 GPU target, pass-shape rounding
 near-tie, so the match fraction is reported). tokens/s counts generated tokens only; accepted length
 = tokens emitted per verification pass (accepted drafts + the target's own token).
 
-CPU (default): the quickstart's tiny target (rl/warmup.py) and its cached drafter
+CPU (default): the quickstart's tiny target (rollout/bases/warmup.py) and its cached drafter
 (rollout.dspark.train.ensure_quickstart_drafter), quickstart eval prompts.
 
     python benchmarks/dspark.py --json benchmarks/results/dspark_cpu.jsonl
@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.data import arithmetic_dataset
+from common.tokenizer import ByteTokenizer
 from model.config import ModelConfig, QuantConfig
 from model.modeling import MiniMaxM3ForCausalLM
-from rl.data import arithmetic_dataset
-from rl.tokenizer import ByteTokenizer
 from rollout.dspark import Drafter, SpecConfig, load_drafter
 from rollout.dspark.train import TrainConfig, arithmetic_prompts, generate_sequences, train_drafter
 from rollout.engine import Request, SamplingParams
@@ -53,7 +53,7 @@ def log(msg: str) -> None:
 
 def eval_prompts(n: int) -> list[tuple[int, ...]]:
     return [
-        tuple(TOK.encode(TOK.apply_chat_template(p.messages))) for p in arithmetic_dataset(n, split="eval")
+        tuple(TOK.chat_prompt(p.messages)) for p in arithmetic_dataset(n, split="eval")
     ]
 
 
@@ -61,7 +61,7 @@ def eval_prompts(n: int) -> list[tuple[int, ...]]:
 def train_target(preset: str, device: str, seconds: float, max_steps: int, log=log) -> MiniMaxM3ForCausalLM:
     """`preset` trained on "a+b=" -> "Answer: c<eos>" for `seconds` (float experts), then its routed
     experts quantized to NVFP4 as the product serves them; bf16 for serving on a GPU."""
-    from rl.warmup import answer_example, quantized_copy, sft_batch
+    from rollout.bases.warmup import answer_example, quantized_copy, sft_batch
 
     torch.manual_seed(0)
     cfg = ModelConfig.preset(preset)

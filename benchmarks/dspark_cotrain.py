@@ -88,7 +88,7 @@ def _policy(run_dir: Path | None):
 
 
 def _rollouts(target, prompt_seed: int, num_prompts: int) -> list[tuple[list[int], int]]:
-    from rl.tokenizer import ByteTokenizer
+    from common.tokenizer import ByteTokenizer
     from rollout.dspark.train import TrainConfig, arithmetic_prompts, generate_sequences
 
     cfg = TrainConfig(samples_per_prompt=8, temperature=1.0, max_tokens=12, seed=prompt_seed)
@@ -139,7 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(args.threads)
-    from rl.warmup import ensure_base
+    from rollout.bases.warmup import ensure_base
     from rollout.dspark.train import ensure_quickstart_drafter
 
     ensure_base(REPO / "runs/_cache/quickstart-base")

@@ -39,11 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.data import load_dapo_math, strip_dapo_template
+from common.tokenizer import ByteTokenizer
 from model.checkpoint import load_model, save_model
 from model.config import ModelConfig, QuantConfig
 from model.modeling import MiniMaxM3ForCausalLM
-from rl.data import load_dapo_math, strip_dapo_template
-from rl.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / "runs" / "_cache" / "kv-accuracy-lm"

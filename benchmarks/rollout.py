@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import TOK, eval_prompts, log, train_target
 
+from common.data import arithmetic_dataset
 from model.layers.lora import LoRAConfig, apply_lora, lora_state_dict
-from rl.data import arithmetic_dataset
 from rl.grpo import group_advantages, policy_loss
 from rl.sync import make_update
 from rollout.dspark.train import TrainConfig, arithmetic_prompts, generate_sequences, train_drafter
@@ -126,7 +126,7 @@ def grpo_step(target, args, device, emit) -> None:
     params = [p for p in target.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     problems = arithmetic_dataset(args.grpo_prompts, seed=1, split="train")
-    prompts = [tuple(TOK.encode(TOK.apply_chat_template(p.messages))) for p in problems]
+    prompts = [tuple(TOK.chat_prompt(p.messages)) for p in problems]
     G, page = args.grpo_samples, target.config.index_block_size
     sp = SamplingParams(temperature=1.0, max_tokens=args.grpo_max_tokens, stop_token_ids=TOK.stop_token_ids)
     max_pages = len(prompts) * G * (-(-(max(map(len, prompts)) + sp.max_tokens + 16) // page)) + 8

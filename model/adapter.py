@@ -78,6 +78,7 @@ class AdapterMetadata:
     base_dtype: str | None = None  # float dtype the base was held in when fingerprinted ("bfloat16")
     routed_experts: bool = False
     adapter_dtype: str = "float32"
+    tokenizer: str | None = None  # the spec it was trained with ("byte" or an HF directory): serving reads it
     step: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -293,7 +294,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
 _METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "base_fingerprint": (str, type(None)), "base_config": (dict, type(None)), "base_dtype": (str, type(None)),
     "routed_experts": (bool,), "adapter_dtype": (str,), "step": (int, type(None)), "metrics": (dict,),
-    "extra": (dict,),
+    "extra": (dict,), "tokenizer": (str, type(None)),
 }  # fmt: skip
 
 

@@ -76,8 +76,8 @@ class ModelSection:
     checkpoint: str | None = None
     dtype: ModelDtype = "fp32"
     overrides: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str = "byte"  # "byte" (rl/tokenizer.py) or a Hugging Face tokenizer name/path
-    # Build `checkpoint` with the arithmetic warm-up (rl/warmup.py) when it does not exist yet: the
+    tokenizer: str = "byte"  # "byte" (common/tokenizer.py) or a Hugging Face tokenizer name/path
+    # Build `checkpoint` with the arithmetic warm-up (rollout/bases/warmup.py) when it does not exist yet: the
     # quickstart's base is made once on the user's machine and cached, not downloaded.
     warmup: bool = False
 
@@ -138,10 +138,10 @@ class LoRASection:
 class DataSection:
     """Prompts. `dapo_math`: the hub datasets `hub_train` / `hub_eval` first, falling back to the
     local parquet files `train_path` / `eval_path` (verl schema) when the hub is unreachable.
-    `geo_vision`: image+text math prompts in the Geometry3K format (rl/geo_data.py), the same hub-then-
+    `geo_vision`: image+text math prompts in the Geometry3K format (common/geo_data.py), the same hub-then-
     local order, reading the hub splits `hub_train_split` / `hub_eval_split`; rows with more than
     `max_images` images or an image over `max_image_pixels` (width x height) are skipped.
-    `arithmetic`: a synthetic dataset (rl/data.py) of `num_train` / `num_eval` problems over
+    `arithmetic`: a synthetic dataset (common/data.py) of `num_train` / `num_eval` problems over
     integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format."""
 
     kind: DataKind = "arithmetic"
@@ -153,7 +153,7 @@ class DataSection:
     hub_train_split: str = "train"
     hub_eval_split: str = "test"
     max_images: int = 1
-    max_image_pixels: int = 1 << 24  # rl.data.MAX_IMAGE_PIXELS
+    max_image_pixels: int = 1 << 24  # common.data.MAX_IMAGE_PIXELS
     max_prompt_tokens: int = 512
     num_train: int = 4096
     num_eval: int = 128

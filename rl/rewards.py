@@ -1,114 +1,34 @@
-"""Rule-based rewards for math completions, scored in child processes with a per-sample timeout.
+"""Rewards scored in child processes with a per-sample timeout.
 
-What: `score_math_dapo(text, truth)` is DAPO's reward (+1 correct / -1 wrong, from the last
-"Answer:" line, Minerva-normalised) via verl's `math_dapo.compute_score`, plus one fix: integer
-answers compare without leading zeros ("7" == "007"; AIME keys are sometimes zero-padded).
-`score_batch` / `ScoringPool` run any scorer of that signature in worker processes so that a scorer
-that hangs (pathological regex, huge input) or raises costs one sample (score -1 and an `error`
-field), never the batch or the caller.
-
-Why processes, not threads or signals: a hung thread cannot be stopped, and SIGALRM only works in
-a process's main thread and cannot interrupt C code; a child process can always be killed. Children
-start from a 'forkserver' (a clean single-threaded server process), which is safe inside a Ray
-actor, whose process runs threads that a plain fork() would copy in arbitrary states.
-
-Bounded cost on adversarial completions (megabyte strings, odd unicode, NUL bytes, regex-hostile
-text): `score_math_dapo` looks only at the last `ANSWER_WINDOW_CHARS` characters of a completion and
-the first `MAX_TRUTH_CHARS` of a ground truth before any regex runs, so its cost does not grow with
-the input; the pool also cuts every text to its last `max_text_chars` before shipping it to a child,
-and the per-sample timeout backs up any scorer whose cost is not bounded by construction.
-
-Invariants: `score_batch` returns one dict per input, in input order, each with `score` (float,
-finite), `acc` (bool) and `pred` (str | None), plus `error` (str) and `error_kind` (one of
-`ERROR_KINDS`) when the sample was not scored: the scorer timed out, raised, killed its process,
-returned NaN/inf, or the input was not a pair of strings. `reward_error_metrics(results)` turns
-those into `reward/errors` and `reward/errors/<kind>` counts. The scorer must be a picklable
-module-level function `(text, ground_truth) -> dict | float`.
+What: `score_batch` / `ScoringPool` run any scorer `(text, truth) -> dict | float` (by default DAPO's
+math reward, common/scoring.py) in worker processes, so a scorer that hangs (pathological regex,
+huge input) or raises costs one sample (score -1 and an `error` field), never the batch or the caller.
+Why processes: a hung thread cannot be stopped and SIGALRM cannot interrupt C code; a child process
+can always be killed. Children start from a 'forkserver', which is safe inside a Ray actor.
+Invariants: one dict per input, in input order, with a finite `score`, `acc` and `pred`, plus
+`error` / `error_kind` (one of `ERROR_KINDS`) when the sample was not scored; the pool ships each
+text's last `max_text_chars` only; the scorer must be a picklable module-level function.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import math
 import multiprocessing as mp
-import re
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from types import ModuleType
 from typing import Any, Literal
+
+from common.scoring import score_math_dapo
 
 Scorer = Callable[[str, str], "dict[str, Any] | float"]
 ErrorKind = Literal["timeout", "exception", "died", "nonfinite", "invalid_input"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("timeout", "exception", "died", "nonfinite", "invalid_input")
 FAILED_SCORE = -1.0
-# verl's compute_score reads only the last 300 characters (the longest MATH-500 answer is 159); a
-# wider window of our own keeps the bound independent of verl's internals.
-ANSWER_WINDOW_CHARS = 1024
-MAX_TRUTH_CHARS = 1024  # reference answers are short; a longer one is cut before normalisation regexes
 DEFAULT_MAX_TEXT_CHARS = 1 << 20  # what the pool ships to a scorer process (the tail is kept)
 STARTUP_TIMEOUT_S = 120.0  # a scorer process's start-up (imports) on a loaded machine
-
-_INT_RE = re.compile(r"[+-]?(\d+)")
-_math_dapo: ModuleType | None = None
-
-
-def _verl_math_dapo() -> ModuleType:
-    """verl's `reward_score/math_dapo.py`. That file needs only `re`, but importing it the normal way
-    runs `verl/__init__`, which pulls in torch and Ray (~7 s per fresh scoring process). So, unless
-    verl is already imported, load that one file by path (it is still verl's code, unmodified)."""
-    global _math_dapo
-    if _math_dapo is None:
-        if "verl" in sys.modules:
-            _math_dapo = importlib.import_module("verl.utils.reward_score.math_dapo")
-        else:
-            spec = importlib.util.find_spec("verl")
-            if spec is None or not spec.submodule_search_locations:
-                raise ModuleNotFoundError(
-                    "verl is required for math_dapo scoring: install it (see the Makefile)"
-                )
-            path = f"{next(iter(spec.submodule_search_locations))}/utils/reward_score/math_dapo.py"
-            file_spec = importlib.util.spec_from_file_location("_verl_math_dapo", path)
-            module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)
-            _math_dapo = module
-    return _math_dapo
-
-
-def _canonical_int(s: str | None) -> str | None:
-    """'007' -> '7', '-0' -> '0', '+12' -> '12'; None for anything that is not a plain integer."""
-    if s is None:
-        return None
-    m = _INT_RE.fullmatch(s.strip())
-    if m is None:
-        return None
-    digits = m.group(1).lstrip("0") or "0"
-    return digits if s.strip()[0] != "-" or digits == "0" else "-" + digits
-
-
-def score_math_dapo(completion_text: str, ground_truth: str) -> dict[str, Any]:
-    """DAPO math reward: {'score': +1.0 | -1.0, 'acc': bool, 'pred': normalised prediction | None}.
-
-    verl's `compute_score` decides; a wrong verdict is overturned only when the prediction and the
-    (Minerva-normalised) ground truth are both plain integers equal after dropping leading zeros."""
-    if not isinstance(completion_text, str) or not isinstance(ground_truth, str):
-        raise TypeError(
-            f"score_math_dapo needs (str, str), got ({type(completion_text).__name__}, "
-            f"{type(ground_truth).__name__})"
-        )
-    md = _verl_math_dapo()
-    completion_text, ground_truth = completion_text[-ANSWER_WINDOW_CHARS:], ground_truth[:MAX_TRUTH_CHARS]
-    out = md.compute_score(completion_text, ground_truth)
-    score, acc, pred = float(out["score"]), bool(out["acc"]), out["pred"]
-    if not acc:
-        p, g = _canonical_int(pred), _canonical_int(md.normalize_final_answer(ground_truth))
-        if p is not None and p == g:
-            score, acc = 1.0, True
-    return {"score": score, "acc": acc, "pred": pred}
 
 
 def _normalise(out: Any) -> dict[str, Any]:

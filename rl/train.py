@@ -72,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if cfg.model.warmup and cfg.model.checkpoint and cfg.model.family == "hf":
-            from rl.hf_toy import ensure_hf_toy_base
+            from rollout.bases.hf_toy import ensure_hf_toy_base
 
             ensure_hf_toy_base(Path(cfg.model.checkpoint))
         elif cfg.model.warmup and cfg.model.checkpoint:
-            from rl.warmup import ensure_base
+            from rollout.bases.warmup import ensure_base
 
             ensure_base(Path(cfg.model.checkpoint))
         from rl.trainer import run

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from common.data import skipped_row_metrics
 from model.checkpoint import FINGERPRINT_PREFIX
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
-from rl.data import skipped_row_metrics
 from rl.faults import maybe_fail
 from rl.learner import Learner
 from rl.replicas import RolloutRank, RolloutReplica, fetch, replica_size
@@ -97,14 +97,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         import ray
 
-        from rl.data import build_datasets
+        from common.data import build_datasets
         from rl.tracking import Tracker
 
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
-        from rl.tokenizer import load_tokenizer
+        from common.tokenizer import load_tokenizer
 
         self.train_stream, self.eval_prompts = build_datasets(
             cfg.data,
@@ -630,6 +630,7 @@ class Trainer:
             base_dtype={"fp32": "float32", "bf16": "bfloat16"}[self.cfg.model.dtype],
             step=self.step,
             metrics={k: float(v) for k, v in (metrics or {}).items()},
+            tokenizer=self.cfg.model.tokenizer,
         )
         out = self.run_dir / "adapter"
         save_adapter(

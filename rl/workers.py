@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from common.tokenizer import load_tokenizer
 from model.checkpoint import base_fingerprint, load_model
 from model.layers.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
 from rl import grpo
 from rl.config import TrainConfig
 from rl.faults import maybe_fail
 from rl.sync import AdapterUpdate
-from rl.tokenizer import load_tokenizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -239,7 +239,7 @@ class RolloutWorker:
             if _has_image_parts(p.messages):
                 ids, images = self._image_prompt(p, vision)
             else:  # text: the prompt ids are exactly what they were before images existed
-                ids, images = self.tokenizer.encode(self.tokenizer.apply_chat_template(p.messages)), ()
+                ids, images = self.tokenizer.chat_prompt(p.messages), ()
             images_of[p.uid] = images
             requests.append(Request(tuple(ids), params, n=n, seed=(seed * 1_000_003 + i) % 2**31,
                                     request_id=p.uid, images=images))  # fmt: skip

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -53,64 +53,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.tokenizer import Tokenizer, load_tokenizer, tokenizer_for
 from rollout.engine import Completion, Request, SamplingParams
 from rollout.native.engine import NativeEngine
-
-
-# --------------------------------------------------------------------------------- tokenizers
-class Tokenizer(Protocol):
-    """encode / decode / chat_prompt; image chats also need `apply_chat_template(messages) -> str`
-    (the text chat_prompt encodes) and `encode(text, add_special_tokens)` (model.vision.chat)."""
-
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes shifted past the special ids 0 (pad), 1 (bos), 2 (eos): 259 ids, for tests and
-    random tiny models. Chat template: `role: content` lines, then `assistant: `; bos first."""
-
-    OFFSET = 3
-    BOS = 1
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = [b + self.OFFSET for b in text.encode()]
-        return [self.BOS, *ids] if add_special_tokens else ids
-
-    def decode(self, ids: list[int]) -> str:
-        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
-        return data.decode(errors="replace")
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
-
-
-class HFTokenizer:
-    """A transformers tokenizer (with its chat template)."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(path)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        bos = self.tok.bos_token
-        if add_special_tokens and bos and text.startswith(bos):
-            add_special_tokens = False  # the chat template wrote the bos already
-        return self.tok.encode(text, add_special_tokens=add_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
 # --------------------------------------------------------------------------------- worker
@@ -577,7 +522,8 @@ def main(argv: list[str] | None = None) -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (model/checkpoint.py layout)")
     src.add_argument("--preset", help="random-initialised preset (smoke tests)")
-    ap.add_argument("--tokenizer", help="HF tokenizer directory (default: the checkpoint; presets: bytes)")
+    ap.add_argument("--tokenizer", help="'byte' or a Hugging Face tokenizer directory (default: the one the "
+                    "adapter or checkpoint records; presets: byte)")
     ap.add_argument("--adapter", help="LoRA adapter directory (model/adapter.py layout)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-pages", type=int, default=1024)
@@ -589,11 +535,13 @@ def main(argv: list[str] | None = None) -> None:
         from model.checkpoint import load_model
 
         model = load_model(args.model, device=args.device)
-        tokenizer: Tokenizer = HFTokenizer(args.tokenizer or args.model)
+        tokenizer: Tokenizer = (
+            load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_for(args.model, args.adapter)
+        )
         name = args.model.rstrip("/").split("/")[-1]
     else:
         model = MiniMaxM3ForCausalLM(ModelConfig.preset(args.preset)).to(args.device).init_weights()
-        tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+        tokenizer = load_tokenizer(args.tokenizer or "byte")
         name = args.preset
     adapter_name = None
     if args.adapter:

@@ -7,7 +7,7 @@ written as [vision_start] + num_tokens_i x [image_token_id] + [vision_end] (upst
 layout; the brackets are skipped when the config has none), plus the `ProcessedImage`s in order.
 
 How: each image part is replaced by a private-use sentinel string, the messages are rendered by
-the tokenizer's own chat template (rl/tokenizer.py's interface: `apply_chat_template`, `encode`),
+the tokenizer's own chat template (common/tokenizer.py's interface: `apply_chat_template`, `encode`),
 the rendered text is split at the sentinels and each text piece is encoded separately; the
 placeholder ids are inserted between the pieces. This works for any tokenizer, including the
 byte tokenizer of the tiny presets, whose ids (0-258) never reach the tiny vision preset's

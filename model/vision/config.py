@@ -240,7 +240,7 @@ class VisionConfig:
     def preset(cls, name: str) -> VisionConfig:
         """Presets. m3: the released tower (any M3-family text preset). tiny: the same structure at
         CPU-test size for ModelConfig.preset("tiny") (text hidden 128, vocab 512). Its placeholder
-        ids 500-503 lie above rl/tokenizer.py's ByteTokenizer range (0-258) and below the tiny
+        ids 500-503 lie above common/tokenizer.py's ByteTokenizer range (0-258) and below the tiny
         vocab, so byte text can never produce them and the embedding table has rows for them."""
         if name == "m3":
             return cls()

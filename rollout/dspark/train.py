@@ -295,19 +295,19 @@ def _fingerprint(target: torch.nn.Module) -> str:
 
 def arithmetic_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Token ids of `n` quickstart training prompts (byte tokenizer, chat template)."""
-    from rl.data import arithmetic_dataset
-    from rl.tokenizer import ByteTokenizer
+    from common.data import arithmetic_dataset
+    from common.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    return [tok.encode(tok.apply_chat_template(p.messages)) for p in arithmetic_dataset(n, seed=seed)]
+    return [tok.chat_prompt(p.messages) for p in arithmetic_dataset(n, seed=seed)]
 
 
 def parquet_prompts(path: str | Path, n: int, tokenizer, max_prompt_tokens: int) -> list[list[int]]:
     """Token ids of the first `n` prompts of a verl-style parquet (DAPO-templated), left-truncated."""
-    from rl.data import read_parquet_rows, records_from_rows
+    from common.data import read_parquet_rows, records_from_rows
 
     records = records_from_rows(read_parquet_rows(path), "parquet", Path(path).stem)[:n]
-    return [tokenizer.encode(tokenizer.apply_chat_template(p.messages))[-max_prompt_tokens:] for p in records]
+    return [tokenizer.chat_prompt(p.messages)[-max_prompt_tokens:] for p in records]
 
 
 def run(
@@ -337,9 +337,9 @@ def ensure_quickstart_drafter(
 ) -> Path:
     """The quickstart tiny model's drafter, trained once (a few CPU minutes) and cached at `out`;
     rebuilt if the cached one was trained for another base (fingerprint in its metadata)."""
+    from common.tokenizer import ByteTokenizer
     from model.checkpoint import load_model
-    from rl.tokenizer import ByteTokenizer
-    from rl.warmup import ensure_base
+    from rollout.bases.warmup import ensure_base
 
     base, out = Path(ensure_base(base, log=log)), Path(out)
     target = load_model(base, dtype=torch.float32).eval()
@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--config", default="{}", help="JSON TrainConfig overrides, e.g. '{\"steps\": 300}'")
     args = p.parse_args(argv)
+    from common.tokenizer import load_tokenizer
     from model.checkpoint import load_model
-    from rl.tokenizer import load_tokenizer
 
     cfg = TrainConfig(**json.loads(args.config))
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16

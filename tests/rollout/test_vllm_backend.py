@@ -18,7 +18,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from rl.hf_policy import HFPolicy, load_hf_base, prepare_hf_base, twin_fingerprint  # noqa: E402
-from rl.hf_toy import tiny_qwen3  # noqa: E402
+from rollout.bases.hf_toy import tiny_qwen3  # noqa: E402
 from rollout.engine import Request, SamplingParams  # noqa: E402
 from rollout.vllm_backend import (  # noqa: E402
     VLLMEngine,

@@ -1,22 +1,18 @@
-"""Tokenizers for the RL loop: a dependency-free byte tokenizer and local Hugging Face ones.
+"""Tokenizers and the one chat template, shared by the trainer, the engines and the server.
 
-What: `load_tokenizer(spec)` returns an object with one small interface used by rollout workers,
-the learner and the warm-up script: `encode(text, add_special_tokens=True) -> list[int]`,
-`decode(ids, skip_special_tokens=True) -> str`, `apply_chat_template(messages) -> str`,
-`pad_token_id`, `bos_token_id`, `eos_token_id`, `stop_token_ids`, `vocab_size`.
-
-Why a byte tokenizer: the tiny presets (vocab 512) have no trained tokenizer; UTF-8 bytes need none,
-cover any text, and keep the synthetic arithmetic prompts a few tokens long.
-
-ByteTokenizer ids: 0 = pad, 1 = bos, 2 = eos, 3 + b for byte b (vocab 259, which must not exceed
-the model's vocab_size). Ids the model may sample above 258 are not bytes; they decode to U+FFFD.
-Its chat template (also used for Hugging Face tokenizers that ship none) drops roles and writes
-each message's content followed by a newline: [{"role": "user", "content": "12+35="}] -> "12+35=\n".
-The completion then follows directly ("Answer: 47" + eos).
+What: `load_tokenizer(spec)` ("byte" or a local Hugging Face directory) returns an object with
+`encode`, `decode`, `apply_chat_template(messages) -> str`, `chat_prompt(messages) -> ids`, the
+special ids and `vocab_size`; `tokenizer_for(checkpoint, adapter)` finds the one a checkpoint or
+an exported adapter records, so serving needs no flag. Why a byte tokenizer: the tiny presets have
+no trained one; UTF-8 bytes need none (ids: 0 pad, 1 bos, 2 eos, 3 + byte; 259 in all).
+Invariant: a chat's prompt ids are `chat_prompt(messages)` everywhere (training, rollouts, serving).
+The plain template (byte tokenizer, or an HF tokenizer without one) drops roles and ends each
+message's content with a newline: [{"role": "user", "content": "12+35="}] -> "12+35=\n".
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,6 +69,10 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         return plain_chat_template(messages)
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The prompt ids of a chat: bos + the plain template's bytes."""
+        return self.encode(self.apply_chat_template(messages))
+
 
 class HFTokenizer:
     """A `transformers` tokenizer behind the same interface as ByteTokenizer."""
@@ -108,6 +108,10 @@ class HFTokenizer:
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The prompt ids of a chat: the rendered template, encoded (bos added once)."""
+        return self.encode(self.apply_chat_template(messages))
+
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
@@ -131,3 +135,50 @@ def load_tokenizer(spec: str) -> Tokenizer:
             "checkpoint directory); the hub is not used."
         ) from e
     return HFTokenizer(tok, name=spec)
+
+
+# ------------------------------------------------------------------ what a directory records
+RECORD_FILE = "tokenizer_record.json"  # {"tokenizer": "byte"} beside a checkpoint's config.json
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def write_tokenizer_record(directory: str | Path, spec: str) -> None:
+    """Record in `directory` (a checkpoint) which tokenizer it was built with: "byte", or a Hugging
+    Face spec (its files are saved there too, so the checkpoint is self-contained)."""
+    directory = Path(directory)
+    if spec != "byte":
+        load_tokenizer(spec).tok.save_pretrained(str(directory))
+    (directory / RECORD_FILE).write_text(json.dumps({"tokenizer": "byte" if spec == "byte" else "hf"}) + "\n")
+
+
+def recorded_tokenizer(directory: str | Path) -> str | None:
+    """The spec `directory` records: "byte", the directory itself for Hugging Face files, or None."""
+    directory = Path(directory)
+    record = directory / RECORD_FILE
+    if record.is_file():
+        kind = json.loads(record.read_text()).get("tokenizer")
+        return "byte" if kind == "byte" else str(directory)
+    meta = directory / "adapter_metadata.json"  # an exported adapter (model/adapter.py)
+    if meta.is_file():
+        spec = json.loads(meta.read_text()).get("tokenizer")
+        if spec:
+            return spec
+    return str(directory) if any((directory / f).is_file() for f in _HF_FILES) else None
+
+
+def tokenizer_for(checkpoint: str | Path, adapter: str | Path | None = None) -> Tokenizer:
+    """The tokenizer an adapter (first) or its base checkpoint records; a clear error if neither does."""
+    for where in (adapter, checkpoint):
+        spec = recorded_tokenizer(where) if where is not None else None
+        if spec is None:
+            continue
+        try:
+            return load_tokenizer(spec)
+        except FileNotFoundError:  # an HF path of the training machine: try the base checkpoint next
+            if where == checkpoint:
+                raise
+    raise FileNotFoundError(
+        f"no tokenizer recorded in {checkpoint}" + (f" or {adapter}" if adapter else "") + " (no "
+        f"{RECORD_FILE} and no tokenizer files). Fix: pass --tokenizer byte (the tiny presets) or "
+        "--tokenizer DIR (a local Hugging Face tokenizer directory)."
+    )

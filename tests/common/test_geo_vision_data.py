@@ -1,5 +1,5 @@
-"""geo_vision data: the Geometry3K-format generator (rl/geo_data.py), the loader into image+text prompts
-(rl/data.py), the hub-then-local fallback, skipped-row counts, and the recipe."""
+"""geo_vision data: the Geometry3K-format generator (common/geo_data.py), the loader into image+text prompts
+(common/data.py), the hub-then-local fallback, skipped-row counts, and the recipe."""
 
 import base64
 import hashlib
@@ -17,9 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from rl.config import load_config
-from rl.data import build_datasets, load_geo_vision, skipped_row_metrics
-from rl.geo_data import (
+from common.data import build_datasets, load_geo_vision, skipped_row_metrics
+from common.geo_data import (
     GEO_SUFFIX,
     IMAGE_MARKER,
     _generate,
@@ -28,7 +27,8 @@ from rl.geo_data import (
     records_from_geo3k_rows,
     write_parquet,
 )
-from rl.rewards import score_math_dapo
+from common.scoring import score_math_dapo
+from rl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "data" / "geo_vision"
@@ -207,7 +207,7 @@ def _run(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_unreachable_hub_falls_back_to_the_local_parquet_with_a_message(tmp_path):
     code = (
-        "from rl.data import load_geo_vision, GEO3K_HUB\n"
+        "from common.data import load_geo_vision, GEO3K_HUB\n"
         "out = load_geo_vision('data/geo_vision/test.parquet', hub=GEO3K_HUB, split='test')\n"
         "print('N', len(out))\n"
     )
@@ -226,7 +226,7 @@ def test_hub_path_reads_a_datasets_repo_with_image_features_like_the_local_parqu
         write_parquet(rows, tmp_path / "repo" / "data" / f"{split}-00000-of-00001.parquet")
     code = (
         "import hashlib\n"
-        "from rl.data import load_geo_vision\n"
+        "from common.data import load_geo_vision\n"
         f"out = load_geo_vision(None, hub={str(tmp_path / 'repo')!r}, split='test')\n"
         "print('N', len(out), hashlib.sha1(repr([p.messages for p in out]).encode()).hexdigest())\n"
     )
@@ -237,7 +237,7 @@ def test_hub_path_reads_a_datasets_repo_with_image_features_like_the_local_parqu
 
 
 def test_no_hub_and_no_file_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"not found.*python -m rl.geo_data"):
+    with pytest.raises(FileNotFoundError, match=r"not found.*python -m common.geo_data"):
         load_geo_vision(tmp_path / "missing.parquet", hub=None)
     with pytest.raises(ValueError, match="hub dataset name or a local parquet"):
         load_geo_vision(None, hub=None)
@@ -280,8 +280,8 @@ def test_geo_vision_config_rejects_bad_image_limits():
 
 
 def test_prompt_length_filter_counts_text_tokens_not_the_images_base64():
-    from rl.data import Prompt, filter_prompt_length
-    from rl.tokenizer import ByteTokenizer
+    from common.data import Prompt, filter_prompt_length
+    from common.tokenizer import ByteTokenizer
 
     pixels = np.random.RandomState(0).randint(0, 256, (96, 96, 3), dtype=np.uint8)
     buf = io.BytesIO()

@@ -1,5 +1,5 @@
 """Prompt datasets for GRPO: DAPO-Math-17K, AIME-2024, synthetic arithmetic, the visual geo_vision
-(Geometry3K format, rl/geo_data.py), and a resumable stream.
+(Geometry3K format, common/geo_data.py), and a resumable stream.
 
 What: every dataset becomes a list of `Prompt(uid, messages, ground_truth, data_source)` whose user
 message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). Text datasets give a
@@ -56,7 +56,7 @@ _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated, lar
 # A prompt longer than this (characters, before templating) is skipped before it is tokenized: real
 # math problems are a few thousand characters at most, and tokenizing megabytes would stall loading.
 MAX_PROMPT_CHARS = 1 << 16
-MAX_ANSWER_CHARS = 1024  # mirrors rl.rewards.MAX_TRUTH_CHARS: a longer reference could never be matched
+MAX_ANSWER_CHARS = 1024  # mirrors common.scoring.MAX_TRUTH_CHARS: a longer reference could never be matched
 GEO3K_HUB = "hiyouga/geometry3k"
 MAX_IMAGE_PIXELS = 1 << 24  # 4096 x 4096: a guard against decompression bombs, far above any diagram
 MAX_IMAGE_BYTES = 20 << 20  # encoded bytes of one image (model.vision's VisionConfig.max_image_bytes)
@@ -213,7 +213,7 @@ def read_parquet_rows(
         raise FileNotFoundError(
             f"parquet file {str(path)!r} not found: set data.train_path / data.eval_path to a parquet with "
             f"{schema} (copies of DAPO-Math-17K and AIME-2024 live in <repo>/../shared/data; geo_vision's "
-            "is written by python -m rl.geo_data --out data/geo_vision)"
+            "is written by python -m common.geo_data --out data/geo_vision)"
         )
     names = pq.read_schema(path).names
     _check_columns(names, f"parquet {str(path)!r}", required, schema)
@@ -287,9 +287,9 @@ def load_geo_vision(
 ) -> list[Prompt]:
     """A Geometry3K-format visual math dataset: split `split` of the hub dataset, else the local parquet
     (the shipped synthetic copy: data/geo_vision/{train,test}.parquet); image+text prompts (see
-    rl/geo_data.py for the message format). Rows with more than `max_images` images, or an image that
+    common/geo_data.py for the message format). Rows with more than `max_images` images, or an image that
     does not decode or exceeds `max_image_pixels`, are skipped and counted into `skipped`."""
-    from rl import geo_data
+    from common import geo_data
 
     rows = _load_rows(
         hub, path, f"geo_vision ({split})", split=split, required=geo_data.GEO3K_COLUMNS,
@@ -437,7 +437,7 @@ def filter_prompt_length(
     kept = [
         p
         for p in records
-        if len(tokenizer.encode(tokenizer.apply_chat_template(text_only(p.messages)))) <= max_tokens
+        if len(tokenizer.chat_prompt(text_only(p.messages))) <= max_tokens
     ]
     if len(kept) < len(records):
         log.warning(

@@ -3,7 +3,7 @@
 What: the Geometry3K format as published on the hub (`hiyouga/geometry3k`): one row per problem with
 `images` (a list of {"bytes", "path"} image structs, PNG/JPEG bytes embedded), `problem` (text with one
 `<image>` marker per image, where the image belongs) and `answer` (a string). `records_from_geo3k_rows`
-turns such rows into `rl.data.Prompt`s whose single user message is a list of OpenAI-style content
+turns such rows into `common.data.Prompt`s whose single user message is a list of OpenAI-style content
 parts, images as base64 data URLs in marker order, then the text with the "Answer:" instruction that
 rl/rewards.py scores:
 
@@ -11,7 +11,7 @@ rl/rewards.py scores:
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,<...>"}},
         {"type": "text", "text": "<problem without the marker>" + GEO_SUFFIX}]}]
 
-`generate_split` / `python -m rl.geo_data --out data/geo_vision` write a small synthetic dataset in
+`generate_split` / `python -m common.geo_data --out data/geo_vision` write a small synthetic dataset in
 that format: rendered diagrams (right triangles, rectangles, coloured dots, bar charts) at `size` px
 with integer answers (hypotenuse, area, perimeter, a count, a bar's value).
 
@@ -24,7 +24,7 @@ PNG bytes and the same parquet rows. Train and test problems are disjoint by the
 split is a fixed hash of a problem's numbers; layouts only vary the picture). Loading never crashes
 on a bad row: an image that does not decode, is larger than `max_image_pixels`, a row with no or too
 many images, markers that do not match the images, or a missing answer are skipped and counted by
-reason, as rl/data.py does for text rows.
+reason, as common/data.py does for text rows.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rl.data import (
+from common.data import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_PROMPT_CHARS,

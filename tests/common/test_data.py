@@ -1,4 +1,4 @@
-"""rl/data.py (datasets, templates, resumable stream) and rl/tokenizer.py on the real shared parquets."""
+"""common/data.py (datasets, templates, resumable stream) and common/tokenizer.py on the shared parquets."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.data import (
+from common.data import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
     Prompt,
@@ -25,8 +25,8 @@ from rl.data import (
     records_from_rows,
     skipped_row_metrics,
 )
-from rl.rewards import score_math_dapo
-from rl.tokenizer import ByteTokenizer, load_tokenizer
+from common.scoring import score_math_dapo
+from common.tokenizer import ByteTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"  # the layout: <repo>/../shared/data
@@ -77,7 +77,7 @@ def test_dapo_math_dedup_removes_hub_style_repeats_and_already_templated_rows(tm
 def test_dapo_math_falls_back_to_local_parquet_when_the_hub_is_unreachable():
     # A real hub attempt, offline (as here): HF_HUB_OFFLINE makes it fail at once instead of retrying.
     code = (
-        "from rl.data import load_dapo_math, DAPO_HUB\n"
+        "from common.data import load_dapo_math, DAPO_HUB\n"
         f"out = load_dapo_math({str(DAPO)!r}, hub=DAPO_HUB)\n"
         "print('N', len(out))\n"
     )
@@ -100,7 +100,7 @@ def test_dapo_math_hub_path_reads_a_datasets_repo_and_deduplicates(tmp_path):
     (tmp_path / "repo" / "data").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(templated * 3), tmp_path / "repo" / "data" / "train-00000.parquet")
     code = (
-        "from rl.data import load_dapo_math\n"
+        "from common.data import load_dapo_math\n"
         f"out = load_dapo_math(None, hub={str(tmp_path / 'repo')!r})\n"
         "print('N', len(out), out[0].messages[0]['content'].count('Solve the following'))\n"
     )
@@ -248,7 +248,7 @@ def test_build_datasets_dapo_math_from_local_parquets():
     short_stream, short_evals = build_datasets(cfg, seed=0, batch_size=4, tokenizer=ByteTokenizer())
     tok = ByteTokenizer()
     lengths = [
-        len(tok.encode(tok.apply_chat_template(p.messages))) for p in short_stream.records + short_evals
+        len(tok.chat_prompt(p.messages)) for p in short_stream.records + short_evals
     ]
     assert max(lengths) <= 400 and 0 < len(short_stream.records) < len(stream.records)
 
@@ -272,7 +272,7 @@ def test_byte_tokenizer_chat_template_is_contents_with_newlines_and_arith_prompt
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+35="}]
     assert tok.apply_chat_template(msgs) == "be brief\n12+35=\n"
     prompt = arithmetic_dataset(1, seed=0, max_operand=99)[0]
-    assert len(tok.encode(tok.apply_chat_template(prompt.messages))) <= 8
+    assert len(tok.chat_prompt(prompt.messages)) <= 8
 
 
 def test_load_tokenizer_reads_a_local_hf_tokenizer_and_errors_clearly_when_missing(tmp_path):
@@ -352,7 +352,7 @@ def test_build_datasets_counts_skipped_rows_and_fails_clearly_when_none_are_left
     bad = [_row(content=""), _row(truth=""), _row(content="x" * (1 << 17))]
     tok = ByteTokenizer()
     third = [{"role": "user", "content": dapo_template(good[2]["prompt"][0]["content"].strip())}]
-    limit = len(tok.encode(tok.apply_chat_template(third)))  # keeps the three shortest prompts
+    limit = len(tok.chat_prompt(third))  # keeps the three shortest prompts
     pq.write_table(pa.Table.from_pylist(good + bad), path)
     stream, evals = build_datasets(_DataCfg(kind="dapo_math", train_path=str(path)), seed=0, batch_size=2)
     assert len(stream.records) == 6 and evals == []

@@ -8,7 +8,7 @@ on the held-out split first reaches `target_acc`, then quantizes the experts to 
 model/convert.py (the project's one quantization function) and measures the accuracy the RL run
 will start from.
 
-    python -m rl.warmup --out runs/_cache/quickstart-base
+    python -m rollout.bases.warmup --out runs/_cache/quickstart-base
 
 `ensure_base(path)` builds it once; later runs reuse the directory (it is keyed by nothing but its
 path: delete it to rebuild).
@@ -27,20 +27,20 @@ from pathlib import Path
 
 import torch
 
+from common.data import Prompt, arithmetic_dataset
+from common.scoring import score_math_dapo
+from common.tokenizer import ByteTokenizer, recorded_tokenizer, write_tokenizer_record
 from model.checkpoint import load_model, save_model
 from model.config import ModelConfig, QuantConfig
 from model.convert import convert
 from model.modeling import MiniMaxM3ForCausalLM
-from rl.data import Prompt, arithmetic_dataset
-from rl.rewards import score_math_dapo
-from rl.tokenizer import ByteTokenizer
 
 INFO_FILE = "warmup.json"
 
 
 def answer_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], int]:
     """(prompt + "Answer: <truth>" + EOS ids, prompt length): one supervised warm-up example."""
-    prompt = tok.encode(tok.apply_chat_template(p.messages))
+    prompt = tok.chat_prompt(p.messages)
     answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
     return prompt + answer, len(prompt)
 
@@ -72,7 +72,7 @@ def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_toke
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
     reqs = [
-        Request(tuple(tok.encode(tok.apply_chat_template(p.messages))), params, request_id=p.uid)
+        Request(tuple(tok.chat_prompt(p.messages)), params, request_id=p.uid)
         for p in prompts
     ]
     outs = engine.generate(reqs)
@@ -159,6 +159,7 @@ def build_quickstart_base(
     info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
             "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand}  # fmt: skip
     (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
+    write_tokenizer_record(staging, "byte")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)  # the cache appears whole or not at all
     log(f"warm-up done in {info['seconds']:.0f}s: held-out greedy acc {nvfp4_acc:.3f} (NVFP4 experts, KV)")
@@ -168,6 +169,8 @@ def build_quickstart_base(
 def ensure_base(path: str | Path, log=print) -> Path:
     path = Path(path)
     if (path / INFO_FILE).exists():
+        if recorded_tokenizer(path) is None:  # a base cached before checkpoints recorded their tokenizer
+            write_tokenizer_record(path, "byte")
         return path
     log(f"building the quickstart base at {path} (supervised warm-up, once; cached afterwards)")
     build_quickstart_base(path, log=log)
@@ -176,7 +179,7 @@ def ensure_base(path: str | Path, log=print) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m rl.warmup", description="Build the quickstart's warmed-up tiny base."
+        prog="python -m rollout.bases.warmup", description="Build the quickstart's warmed-up tiny base."
     )
     p.add_argument("--out", default="runs/_cache/quickstart-base")
     p.add_argument("--target-acc", type=float, default=0.15)
