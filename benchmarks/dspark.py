@@ -52,9 +52,7 @@ def log(msg: str) -> None:
 
 
 def eval_prompts(n: int) -> list[tuple[int, ...]]:
-    return [
-        tuple(TOK.chat_prompt(p.messages)) for p in arithmetic_dataset(n, split="eval")
-    ]
+    return [tuple(TOK.chat_prompt(p.messages)) for p in arithmetic_dataset(n, split="eval")]
 
 
 # --------------------------------------------------------------------------- GPU target

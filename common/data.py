@@ -434,11 +434,7 @@ def filter_prompt_length(
     rendered as content-part lists they would count their base64 bytes (a 30 KB diagram = ~40K byte
     tokens, so every hub Geometry3K row would go); their token cost is bounded by the image limits
     (`data.max_images`, `data.max_image_pixels`) and checked against the model by the engine."""
-    kept = [
-        p
-        for p in records
-        if len(tokenizer.chat_prompt(text_only(p.messages))) <= max_tokens
-    ]
+    kept = [p for p in records if len(tokenizer.chat_prompt(text_only(p.messages))) <= max_tokens]
     if len(kept) < len(records):
         log.warning(
             "dropped %d of %d prompts longer than %d tokens",

@@ -522,8 +522,11 @@ def main(argv: list[str] | None = None) -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (model/checkpoint.py layout)")
     src.add_argument("--preset", help="random-initialised preset (smoke tests)")
-    ap.add_argument("--tokenizer", help="'byte' or a Hugging Face tokenizer directory (default: the one the "
-                    "adapter or checkpoint records; presets: byte)")
+    ap.add_argument(
+        "--tokenizer",
+        help="'byte' or a Hugging Face tokenizer directory (default: the one the "
+        "adapter or checkpoint records; presets: byte)",
+    )
     ap.add_argument("--adapter", help="LoRA adapter directory (model/adapter.py layout)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-pages", type=int, default=1024)

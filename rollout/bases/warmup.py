@@ -71,10 +71,7 @@ def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_toke
         model, max_pages=4 * len(prompts) + 8, max_batch_tokens=4096, max_num_seqs=len(prompts)
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
-    reqs = [
-        Request(tuple(tok.chat_prompt(p.messages)), params, request_id=p.uid)
-        for p in prompts
-    ]
+    reqs = [Request(tuple(tok.chat_prompt(p.messages)), params, request_id=p.uid) for p in prompts]
     outs = engine.generate(reqs)
     hits = [
         score_math_dapo(tok.decode(c.token_ids), p.ground_truth)["acc"]

@@ -247,9 +247,7 @@ def test_build_datasets_dapo_math_from_local_parquets():
     cfg.max_prompt_tokens = 400
     short_stream, short_evals = build_datasets(cfg, seed=0, batch_size=4, tokenizer=ByteTokenizer())
     tok = ByteTokenizer()
-    lengths = [
-        len(tok.chat_prompt(p.messages)) for p in short_stream.records + short_evals
-    ]
+    lengths = [len(tok.chat_prompt(p.messages)) for p in short_stream.records + short_evals]
     assert max(lengths) <= 400 and 0 < len(short_stream.records) < len(stream.records)
 
 
