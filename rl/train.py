@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         elif cfg.model.warmup and cfg.model.checkpoint:
             from rollout.bases.warmup import ensure_base
 
-            ensure_base(Path(cfg.model.checkpoint))
+            ensure_base(Path(cfg.model.checkpoint), preset=cfg.model.preset, device=cfg.trainer.device)
         from rl.trainer import run
 
         final = run(cfg)

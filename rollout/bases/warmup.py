@@ -84,7 +84,7 @@ def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_toke
 def quantized_copy(model: MiniMaxM3ForCausalLM, cfg: ModelConfig) -> MiniMaxM3ForCausalLM:
     """`model` (float experts) rebuilt with `cfg`'s expert storage, each expert quantized by the
     bank's own function, i.e. the same bits `model.convert` writes."""
-    out = MiniMaxM3ForCausalLM(cfg)
+    out = MiniMaxM3ForCausalLM(cfg).to(model.lm_head.weight.device)
     state = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
     missing, unexpected = out.load_state_dict(state, strict=False)
     assert not unexpected and all(".experts." in k for k in missing), (missing, unexpected)
@@ -108,6 +108,8 @@ def build_quickstart_base(
     num_train: int = 4096,
     num_eval: int = 128,
     max_operand: int = 50,
+    preset: str = "tiny",
+    device: str = "cpu",
     log=print,
 ) -> dict:
     out = Path(out)
@@ -116,9 +118,9 @@ def build_quickstart_base(
     # the start and the forward quantize-dequantizes K/V as that cache stores them (straight-through
     # gradients): a model this small trained on exact K/V loses all its accuracy under an FP8 or
     # NVFP4 cache, so it learns with the numerics the engine will serve it with.
-    base_cfg = dataclasses.replace(ModelConfig.preset("tiny"), kv_cache_dtype="nvfp4")
+    base_cfg = dataclasses.replace(ModelConfig.preset(preset), kv_cache_dtype="nvfp4")
     float_cfg = dataclasses.replace(base_cfg, quantization=QuantConfig(routed_experts="bf16"))
-    model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=seed)
+    model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=seed).to(device)
     model.requires_grad_(True)
     tok = ByteTokenizer()
     train = arithmetic_dataset(num_train, seed=0, max_operand=max_operand, split="train")
@@ -130,7 +132,7 @@ def build_quickstart_base(
     for step in range(1, max_steps + 1):
         model.train()
         idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        inp, tgt, mask = sft_batch([examples[i] for i in idx])
+        inp, tgt, mask = (t.to(device) for t in sft_batch([examples[i] for i in idx]))
         logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
@@ -152,9 +154,10 @@ def build_quickstart_base(
         staging = out.with_name(out.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
         convert(Path(tmp) / "float", staging)
-    nvfp4_acc = greedy_accuracy(load_model(staging, dtype=torch.float32), evals)
+    nvfp4_acc = greedy_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
     info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
-            "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand}  # fmt: skip
+            "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand,
+            "preset": preset}  # fmt: skip
     (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
     write_tokenizer_record(staging, "byte")
     shutil.rmtree(out, ignore_errors=True)
@@ -163,14 +166,15 @@ def build_quickstart_base(
     return info
 
 
-def ensure_base(path: str | Path, log=print) -> Path:
+def ensure_base(path: str | Path, preset: str = "tiny", device: str = "cpu", log=print) -> Path:
     path = Path(path)
     if (path / INFO_FILE).exists():
         if recorded_tokenizer(path) is None:  # a base cached before checkpoints recorded their tokenizer
             write_tokenizer_record(path, "byte")
         return path
-    log(f"building the quickstart base at {path} (supervised warm-up, once; cached afterwards)")
-    build_quickstart_base(path, log=log)
+    log(f"building the {preset} arithmetic base at {path} (supervised warm-up, once; cached afterwards)")
+    lr = 3e-3 if preset == "tiny" else 1e-3  # a 0.4e9-parameter model diverges at the tiny one's rate
+    build_quickstart_base(path, preset=preset, device=device, lr=lr, log=log)
     return path
 
 
@@ -182,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-acc", type=float, default=0.15)
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", help="model preset (tiny: the quickstart; small: GPU recipes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    build_quickstart_base(args.out, target_acc=args.target_acc, max_steps=args.max_steps, seed=args.seed)
+    build_quickstart_base(args.out, target_acc=args.target_acc, max_steps=args.max_steps, seed=args.seed,
+                          preset=args.preset, device=args.device, lr=args.lr)  # fmt: skip
     return 0
 
 
