@@ -89,7 +89,8 @@ def train_target(preset: str, device: str, seconds: float, max_steps: int, log=l
     model.requires_grad_(False)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     served = quantized_copy(model.cpu().float(), cfg).to(device=device, dtype=dtype)
-    for module in served.modules():  # the router stays fp32 (FACTS.md section 2), as load_model keeps it
+    # The router stays fp32 (docs/FACTS.md, "M3 architecture"), as load_model keeps it.
+    for module in served.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.gate.float()
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
