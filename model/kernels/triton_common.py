@@ -215,7 +215,7 @@ def e2m1_nibble_f32_x2p126(w, NIB: tl.constexpr):
 # inline-PTX block per scale block, SIMD within 32-bit registers, per code word w:
 #   e4m3 bytes of elements 0, 2, 4, 6:  ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
 #   e4m3 bytes of elements 1, 3, 5, 7:  ( w       & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
-# (FACTS 6: those bytes are e2m1 * 2^-6), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
+# (e2m1 * 2^-6: docs/FACTS.md, "Kernel facts"), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
 # then cvt.rn.f16x2.e4m3x2 and one mul.rn.f16x2 by (64 s, 64 s) per pair of adjacent elements:
 # ~2 instructions per value where the byte-wise decode takes ~13 (compile report). The asm is
 # elementwise (pack = 1) over [rows, blocks] tensors, so its result does not depend on Triton's
