@@ -5,7 +5,7 @@ is 16, so the tile kernel of model/kernels/triton_moe.py spends most of its inst
 operands for one useful multiply. Here int32 weight words are decoded straight into fp32 FMAs (three
 integer ops per weight, block scale per 16 products) and K is split so a 6144-row matrix fills every
 SM. `nvfp4_linear_triton(..., variant=)`: "v3" for T <= GEMV_MAX_ROWS (the tile kernel above), "v2"
-the tile kernel always, "v4" v3 with a prefetch of the next K step; v2 and v4 kept to be timed.
+the tile kernel always, "v4" v3 with a next-K-step prefetch (both measured no faster, kept opt-in).
 
 Invariants: no host sync (CUDA-graph safe); splits reduced in the launch by the last-arriving program
 in split order (deterministic), every launch leaving its tile counters at 0; the result is the

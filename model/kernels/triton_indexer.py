@@ -5,7 +5,7 @@ Why: the indexer reads every cached index key at every decode step, so it is bou
 together), dequantized in registers, and only per-block maxima leave the chip; the context is split
 over programs so that batch 1 still fills the GPU. `variant=` picks v3 (default: word-wise NVFP4
 decode to fp16, one fp16 dot per page), v2 (byte-wise, bf16 dot), v4 (several pages per
-iteration) or v5 (coalesced word loads); v2, v4 and v5 are kept to be timed beside v3.
+iteration) or v5 (coalesced word loads); v2, v4, v5 were measured slower or level and stay opt-in.
 
 Invariants: semantics are `model.kernels.indexer`'s (docs/FACTS.md, "MSA and the lightning
 indexer"); scores equal the reference's up to fp32 summation order, selections equal it except at
