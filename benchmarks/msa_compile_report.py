@@ -1,5 +1,7 @@
-"""Offline sm_90 compile report of the block-sparse MSA training kernels: registers, spills, shared
-memory, SASS per loop iteration, and whether the K/V (or Q/dO) tile loads are software-pipelined.
+"""Offline sm_90 compile report of the block-sparse MSA training kernels (registers, spills, SASS).
+
+Per case: registers, spills, shared memory, SASS per loop iteration, and whether the K/V (or Q/dO)
+tile loads are software-pipelined.
 
 Why: the H200 is scarce, and spills, unpipelined loads and per-element mask gathers can be read on a
 CPU machine (ptxas ships with Triton). Each case compiles one kernel of one `MSATrainConfig` at a
