@@ -195,7 +195,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [B, S, D]. `seq_ids_BS` marks packed sequences (equal ids attend
         to each other; -1 = padding); `positions_BS` then restart at 0 per packed sequence.
-        `images` / `image_features_NE`: see the module docstring."""
+        `images` / `image_features_NE`: see the notes at the top of the module."""
         if positions_BS is None:
             positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(
                 input_ids_BS

@@ -47,7 +47,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class NVFP4Tensor:
-    """A quantized tensor of logical shape [..., K]; see the module docstring for the layout."""
+    """A quantized tensor of logical shape [..., K]; layout in the notes above `_rcp`."""
 
     packed: torch.Tensor  # uint8 [..., K/2]
     scales: torch.Tensor  # float8_e4m3fn [..., K/16]
@@ -143,7 +143,7 @@ def _lookup(table: str, idx: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """fp32 scaled values (already clamped to [-6, 6], or not: both give the same codes; v may be
-    overwritten) -> uint8 codes, ties as in the module docstring. One dispatch point, two
+    overwritten) -> uint8 codes, ties as docs/FACTS.md, "NVFP4 format" says. One dispatch point, two
     implementations proven equal by the tests: CUDA runs one binary-search pass (6x faster there
     than the comparison chain), the CPU runs the comparison chain (4x faster there than bucketize).
     """

@@ -354,7 +354,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def group_rows(ids_S: torch.Tensor, n_experts: int, bm: int) -> dict[str, torch.Tensor]:
-    """Slots sorted by expert and padded to bm-row blocks, on device, no host sync (module docstring)."""
+    """Slots sorted by expert and padded to bm-row blocks, on device, no host sync (module notes)."""
     S = ids_S.numel()
     n_blocks = S // bm + min(S, n_experts)
     dev = ids_S.device
@@ -529,7 +529,7 @@ class _NVFP4MoETrain(torch.autograd.Function):
         grads = [None] * 6
         if has_lora:
             o = dict(n_experts=E, topk=K, bm=bm, f32=f32)
-            # A gradients: s * v^T [x | act]; B gradients: s * [dgate | dup | w*dy]^T u (module docstring).
+            # A gradients: s * v^T [x | act]; B gradients: s * [dgate | dup | w*dy]^T u (module notes).
             grads = [
                 _outer(v1, x_TD, g, router_w, scale=s, gather_p=False, gather_q=True, weight_p=False,
                        dtype=a1.dtype, **o),

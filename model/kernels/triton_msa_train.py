@@ -359,7 +359,7 @@ def plan_tiles(
     selected_BNSK: torch.Tensor, seq_ids_BS: torch.Tensor, positions_BS: torch.Tensor, *,
     block_size: int, num_blocks: int, bq: int, tk: int, tkd: int | None = None,
 ) -> dict:  # fmt: skip
-    """Selection -> the kernels' plan (module docstring): keep bitmap, key blocks, per-query-tile key
+    """Selection -> the kernels' plan (module notes): keep bitmap, key blocks, per-query-tile key
     tile lists (tk keys) and per-key-tile query tile lists for dK/dV (tkd keys, a multiple of tk: its
     counts are sums of tk-tiles'), as tile * 2 + is_full, in order, with counts."""
     B, N, S, _ = selected_BNSK.shape

@@ -277,7 +277,7 @@ def sparse_attention_triton(
     force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None, sub_tile: int | None = None,
     variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
-    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs.
+    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module notes. No host syncs.
     `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
     "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
     "v4" the same kernel tuned over deeper page pipelines (`V4_CONFIGS`; NVFP4 only, other caches

@@ -351,7 +351,7 @@ def dcp_sparse_attention(
 
 # --------------------------------------------------------------------------------- engine cache
 class DCPKVCache(KVCache):
-    """This rank's share of a DCP replica's paged cache (layout in the module docstring).
+    """This rank's share of a DCP replica's paged cache (layout in the notes at the top of the module).
 
     `num_pages` local pages are the scheduler's to hand out; one more, `trash_page`, never in a
     block table, takes the appends of tokens whose block another rank owns, so an append stays one

@@ -218,7 +218,7 @@ def patchify(x_CHW: torch.Tensor, config: VisionConfig) -> torch.Tensor:
 def preprocess_image(
     image: Image.Image | bytes, config: VisionConfig, where: str = "image"
 ) -> ProcessedImage:
-    """Decoded (or encoded) image -> ProcessedImage (see the module docstring for the layout)."""
+    """Decoded (or encoded) image -> ProcessedImage (layout: module notes)."""
     data = image if isinstance(image, bytes | bytearray) else None
     if data is not None:
         image = decode_image(bytes(data), config, where)

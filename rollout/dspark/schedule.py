@@ -31,7 +31,7 @@ SpecMode = Literal["fixed", "scheduled"]
 @dataclass(frozen=True)
 class SpecConfig:
     """mode "fixed" verifies min(num_verify, block) drafts for every request; "scheduled" chooses
-    up to num_verify per request from the drafter's confidences (module docstring). num_verify
+    up to num_verify per request from the drafter's confidences (notes at the top of the module). num_verify
     None = the drafter's block size."""
 
     mode: SpecMode = "fixed"
@@ -93,7 +93,7 @@ def choose_num_verify(
     per_token_s: float,
     extra_value: float,
 ) -> list[int]:
-    """Per request the number of drafts to verify (module docstring). fixed_s: the step's time
+    """Per request the number of drafts to verify (notes at the top of the module). fixed_s: the step's time
     without any verified draft (drafter pass, target pass over anchors and prefill chunks);
     per_token_s: each verified draft's extra time; extra_value: tokens produced anyway (one per
     speculating request and per other sampled row)."""

@@ -201,7 +201,7 @@ def distill_loss(
 def estimate_accept_len(
     drafter: Drafter, f: Features, gen: torch.Generator, anchors_per_seq: int = 4
 ) -> dict:
-    """Teacher-forced tokens per verification step (module docstring), greedy and sampled."""
+    """Teacher-forced tokens per verification step (notes at the top of the module), greedy and sampled."""
     anchors_BA, valid_BA = sample_anchors(f, anchors_per_seq, gen)
     o = block_outputs(drafter, f, anchors_BA)
     q_BANV = torch.softmax(o["logits"], dim=-1)
