@@ -1,17 +1,15 @@
 """Paged block-sparse attention op (MSA), dense causal attention as its special case.
 
 What: T varlen query tokens (prefill, decode or verify tokens of several sequences), each attending to
-its own sequence's cached keys at positions <= its own, restricted to its KV group's selected blocks;
-`selected_TNK=None` selects every block (the full-attention layers' op: no separate dense kernel).
-`sparse_attention_ref` is the spec, `sparse_attention_torch` the batched torch path, `sparse_attention`
-validates and dispatches (Triton on CUDA or under TRITON_INTERPRET=1, torch elsewhere and for fp32
-caches). The training twins (`sparse_attention_train_ref` / `sparse_attention_train`: full [B, S] rows,
-`seq_ids` for padding and packing) dispatch by `backend=`, else MSA_TRAIN_BACKEND, else the measured
-table `AUTO_TRAIN_BACKEND`; an optional KV simulation rounds K/V as the cache stores them (straight-through).
+its own sequence's cached keys at positions <= its own within its KV group's selected blocks
+(`selected_TNK=None`: every block, the full-attention layers' op). `sparse_attention_ref` is the spec,
+`sparse_attention_torch` the batched path, `sparse_attention` validates and dispatches (Triton on CUDA
+or under TRITON_INTERPRET=1, torch elsewhere and for fp32 caches). The training twins
+(`sparse_attention_train_ref` / `_train`) pick `backend=`, else MSA_TRAIN_BACKEND, else the measured
+`AUTO_TRAIN_BACKEND`; an optional KV simulation rounds K/V as the cache does (straight-through).
 
-Invariants: pages dequantized exactly as `model.kv_cache` defines; scores, softmax and P.V in fp32;
-output in q's dtype; a query with no allowed key gets zeros (the Triton FP8 path differs by e4m3
-rounding of q and P, see that module).
+Invariants: pages dequantized exactly as `model.kv_cache` defines; fp32 scores, softmax and P.V; output
+in q's dtype; a query with no allowed key gets zeros (the Triton FP8 path rounds q and P to e4m3).
 """
 
 import os
