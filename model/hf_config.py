@@ -10,7 +10,7 @@ becomes `QuantConfig`. Why apart from model/config.py: key tables change with ea
 
 Invariants: unknown keys and disagreeing duplicates fail, naming the key and the fix; the round trip
 is the identity; `to_hf` writes model_type "minimax_m3_text" with the flat (b) keys plus the legacy
-mirrors vLLM reads.
+mirrors vLLM reads, wrapped as style (b) when the model has a vision part.
 """
 
 from __future__ import annotations
