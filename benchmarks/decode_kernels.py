@@ -1,35 +1,10 @@
 """Decode-kernel benchmark: Triton NVFP4 KV append, indexer, sparse attention and W4A16 MoE on an H200.
 
-What it prints per kernel and shape: median time, bytes that must move, achieved bandwidth, % of
-the 4.17 TB/s copy roofline (PERFORMANCE.md), and the ratios PERFORMANCE.md targets, each measured
-side by side in this process:
-  indexer NVFP4 vs FP8 index keys (>= 1.7x), sparse attention NVFP4 vs FP8 cache (>= 1.5x),
-  W4A16 GEMV (m <= 16, 6144 x 6144) vs torch bf16 (>= 3x), MoE layer (batch 64, 128 experts top-4
-  + shared expert) vs a bf16 grouped torch layer (>= 2.5x),
-and every Triton kernel against the naive torch path of the same op. Correctness is checked against
-the torch path on the same inputs before timing. Shapes: M3.1-Flash (`ModelConfig.preset
-("m3.1-flash")`: 4 KV / index heads, head_dim 128, 128-token blocks, top-16 blocks, 128 experts of
-3072, hidden 6144), batch 1 and 64, contexts 32K and 128K. Data is random (never zeros).
-
-Timing (v2): the headline time of each Triton kernel and of the torch bf16 GEMV is replayed from a
-CUDA graph (`bench_graph`: no host launch cost, as a graph-captured decode step pays it) over inputs
-rotated so L2 does not hold them (8 weight copies for the GEMV, 4 block selections for attention;
-the B=1 indexer's 2.4 MB of keys do stay in L2). `eager_us` is triton.testing.do_bench (L2 flushed
-before every repeat, host launch cost included): v1's only number, and launch-bound for every kernel
-below ~150 us. Naive torch baselines (host syncs, not capturable) are eager.
-
-Indexer / attention / GEMV versions (`--variants`, default v2 v3; any of v2 v3 v4 v5): v3 decodes NVFP4
-keys / pages word-wise to fp16 (`triton_common.load_nvfp4_tile_f16`), v2 byte-wise; v4 keeps more
-NVFP4 bytes in flight per program (indexer: PPI pages per iteration / double-buffered pages;
-attention: double-buffered K/V tiles; GEMV: the next weight tile prefetched), autotuned over its own
-configurations (printed per row); v5 (indexer / attention only) is v3 with the coalesced flat-block
-NVFP4 decode (`load_nvfp4_tile_f16_v5`: consecutive threads on consecutive 16-value blocks of a
-row), and its rows record whether its output equals the first version's bit for bit. Each NVFP4 and
-FP8 time is taken per version (FP8 / bf16 run v3's code under v4) and the ratio table prints NVFP4
-vs FP8 for each, plus NVFP4 of each later version vs the first one named.
-MoE (`--variants` including v6): the routed experts by the v2 tile kernel and by v6, the grouped split-K
-FMA GEMV (`model.kernels.triton_moe_gemv`), side by side; per variant the routed and layer times
-(layer ratio vs the bf16 torch layer), then ratio rows v6 vs v2. Without v6 only v2 runs.
+Prints per kernel and shape the median time, bytes that must move, bandwidth, % of the 4.17 TB/s copy
+roofline and the target ratios of docs/PERFORMANCE.md ("Targets"), each measured side by side in this
+process, plus every Triton kernel against the naive torch path of the same op. Correctness against
+the torch path is checked on the same inputs before timing; data is random (never zeros). Shapes are
+M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
        [--variants v3 v5]   (MoE v6 vs v2: --only moe --variants v6)
@@ -64,6 +39,25 @@ from model.kernels.triton_sparse_attention import (
 )
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
+
+# Targets timed: indexer NVFP4 vs FP8 index keys (>= 1.7x), sparse attention NVFP4 vs FP8 cache
+# (>= 1.5x), W4A16 GEMV (m <= 16, 6144 x 6144) vs torch bf16 (>= 3x), MoE layer (batch 64, 128
+# experts top-4 + shared) vs a bf16 grouped torch layer (>= 2.5x).
+#
+# Timing: the headline time of each Triton kernel and of the torch bf16 GEMV is replayed from a CUDA
+# graph (`bench_graph`: no host launch cost, as a graph-captured decode step pays none) over inputs
+# rotated so L2 does not hold them (8 weight copies for the GEMV, 4 block selections for attention;
+# the B=1 indexer's 2.4 MB of keys do stay in L2). `eager_us` is triton.testing.do_bench (L2 flushed
+# before every repeat, launch cost included), launch-bound below ~150 us. Naive torch baselines
+# (host syncs, not capturable) are eager.
+#
+# `--variants` (indexer / attention / GEMV; default v2 v3): v3 decodes NVFP4 word-wise to fp16, v2
+# byte-wise; v4 keeps more bytes in flight per program (autotuned over its own configurations); v5
+# (indexer / attention) is v3 with coalesced flat-block loads, and its rows record whether its output
+# equals the first version's bit for bit. NVFP4 and FP8 are timed per version (FP8 / bf16 run v3's
+# code under v4); the ratio table prints NVFP4 vs FP8 for each and each later version vs the first.
+# MoE with v6: the routed experts by the v2 tile kernel and by v6 (`model.kernels.triton_moe_gemv`)
+# side by side, routed and layer times per variant, then v6 vs v2.
 
 ROOFLINE_TBS = 4.17
 VARIANTS = ("v2", "v3", "v4", "v5")  # indexer / attention decode versions that can be timed side by side
@@ -505,7 +499,7 @@ def main() -> None:
 
 
 def print_ratio_table() -> None:
-    """The PERFORMANCE.md ratios measured in this run, one line each (target 0: no target, a
+    """The docs/PERFORMANCE.md target ratios measured in this run, one line each (target 0: no target, a
     version-to-version comparison)."""
     print("\nratios (candidate vs baseline, same run):")
     print(f"{'kernel':10s} {'shape':28s} {'comparison':34s} {'ratio':>7s} {'target':>7s}")

@@ -1,24 +1,15 @@
 """DSpark speculative decoding against plain decoding in the native engine: tokens/s, accepted
 length, fixed vs confidence-scheduled verification.
 
-Proof of value for rollout/dspark: the same target generates the same prompts greedily (temperature
-0) with and without a drafter in one process; outputs are compared token for token before any
-number is reported (exact on CPU fp32; on a bf16 GPU target, pass-shape rounding can flip a rare
-near-tie, so the match fraction is reported). tokens/s counts generated tokens only; accepted length
-= tokens emitted per verification pass (accepted drafts + the target's own token).
-
-CPU (default): the quickstart's tiny target (rollout/bases/warmup.py) and its cached drafter
-(rollout.dspark.train.ensure_quickstart_drafter), quickstart eval prompts.
+The same target generates the same prompts greedily with and without a drafter in one process, and
+outputs are compared token for token before any number is reported (exact on CPU fp32; on a bf16 GPU
+target a rare near-tie may flip, so the match fraction is reported). tokens/s counts generated tokens;
+accepted length = tokens emitted per verification pass. CPU: the quickstart's tiny target and cached
+drafter. GPU: the `small` preset trained briefly (`--target-seconds`) and a drafter distilled from it
+(`--drafter-seconds`), at each `--concurrency`. No ray / wandb / vllm / datasets imports.
 
     python benchmarks/dspark.py --json benchmarks/results/dspark_cpu.jsonl
-
-GPU: the `small` preset, first trained briefly on the synthetic arithmetic task so its outputs are
-not random (`--target-seconds`), a drafter distilled from it (`--drafter-seconds`), then the same
-comparison at each `--concurrency`. `--quick` shrinks everything to a smoke test.
-
     python benchmarks/dspark.py --device cuda --preset small --json out.jsonl [--quick]
-
-No ray / wandb / vllm / datasets imports (the H200 image has none of them).
 """
 
 from __future__ import annotations
@@ -89,7 +80,8 @@ def train_target(preset: str, device: str, seconds: float, max_steps: int, log=l
     model.requires_grad_(False)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     served = quantized_copy(model.cpu().float(), cfg).to(device=device, dtype=dtype)
-    for module in served.modules():  # the router stays fp32 (FACTS.md section 2), as load_model keeps it
+    # The router stays fp32 (docs/FACTS.md, "M3 architecture"), as load_model keeps it.
+    for module in served.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.gate.float()
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()

@@ -1,28 +1,15 @@
 """Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain).
 
-Runs the quickstart twice from the same seed with the cached quickstart drafter
-(rollout.dspark.train.ensure_quickstart_drafter): once with the drafter frozen, once co-trained
-(rollout/dspark/cotrain.py), both with fixed-length verification (every draft verified, so the
-accepted length measures the drafter alone, not the scheduler's choices). Prints per third of the
-run (first / middle / last): `spec/accept_len` (tokens per verification pass in the step's
-rollouts), the co-trainer's held-out teacher-forced estimate, and step / learner / co-training
-seconds.
-
-Then, offline and on the same held-out prompts for every drafter (teacher-forced estimates on
-temperature-1 rollouts of the named policy, rollout/dspark/train.py `estimate_accept_len`):
-- start: the step-0 policy with the shipped drafter (what both runs began with);
-- each run's final policy with the shipped drafter (frozen: the decay), with the run's own
-  co-trained drafter (`output_dir/drafter`), and with the shipped drafter fine-tuned for
-  `--oracle-steps` on fresh rollouts of that final policy (the "tracked perfectly" ceiling).
-The gap between the shipped drafter and the ceiling is all co-training can win back; whatever
-decay remains at the ceiling comes from the policy itself becoming harder to predict.
+Runs the quickstart twice from one seed with the cached quickstart drafter, frozen and co-trained,
+both with fixed-length verification (the accepted length then measures the drafter alone), and prints
+per third of the run `spec/accept_len`, the co-trainer's held-out estimate and step timings. Then,
+offline on the same held-out prompts, the teacher-forced accepted length of: the step-0 policy with
+the shipped drafter; each final policy with the shipped drafter, with the run's co-trained drafter,
+and with the shipped drafter fine-tuned on that policy for `--oracle-steps` (the ceiling).
 
     python benchmarks/dspark_cotrain.py --steps 60 --threads 1 \\
         --json benchmarks/results/dspark_cotrain_cpu.jsonl optim.lr=3e-3 \\
         [--cotrain rollout.dspark.cotrain_every=2 ...]   (overrides for the co-trained run only, last)
-
-(optim.lr=3e-3, three times the quickstart's, makes the policy drift enough in 60 steps for a
-frozen drafter's decay to stand out of the step-to-step noise.)
 """
 
 from __future__ import annotations
@@ -36,6 +23,11 @@ import time
 from pathlib import Path
 
 import torch
+
+# Reading the offline table: the gap between the shipped drafter and the ceiling is all co-training
+# can win back; decay that remains at the ceiling comes from the policy becoming harder to predict.
+# optim.lr=3e-3, three times the quickstart's, makes the policy drift enough in 60 steps for a
+# frozen drafter's decay to stand out of the step-to-step noise.
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = "runs/_cache/quickstart-dspark"

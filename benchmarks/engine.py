@@ -1,15 +1,10 @@
 """Native engine throughput against naive generation, and KV capacity per cache dtype.
 
-Proof of value for rollout/native: the same model generates the same greedy tokens (checked
-before the numbers are reported) either with the engine (paged KV cache, one flattened
-`forward_cached` per step for the whole batch) or the naive Hugging Face-style way: re-run the
-full `forward` over prompt + generated tokens for every new token (no cache, O(S^2) work).
-
-Also reports KV capacity: bytes per token of the whole cache (main K/V + index keys, every layer)
-and tokens per GiB for bf16, fp8 and NVFP4 main K/V.
-
-Timing: time.perf_counter around whole generations after one warm-up, median of `--repeats`;
-on CUDA synchronised. tokens/s counts generated tokens only.
+Proof of value for rollout/native: the same model generates the same greedy tokens (checked before
+numbers are reported) with the engine (paged KV cache, one flattened `forward_cached` per step) or
+naively (the full `forward` re-run for every new token, O(S^2)). Also bytes per token of the whole
+cache and tokens per GiB for bf16, fp8 and NVFP4 main K/V. Timing: perf_counter around whole
+generations after a warm-up, median of `--repeats`; tokens/s counts generated tokens.
 
     python benchmarks/engine.py --preset tiny --batch 1 8 --json runs/engine.json
 """

@@ -1,30 +1,10 @@
 """Offline sm_90 compile report of the decode kernels: registers, spills, shared memory, SASS counts.
 
-Why: the H200 is scarce; whether a Triton kernel spills, how much shared memory it stages and how
-many instructions its hot loop issues per weight / key element can all be read on a CPU machine.
-Each case below compiles one kernel configuration at a benchmark shape for `GPUTarget("cuda", 90,
-32)` (ptxas ships with Triton), then reads:
-- regs / spill stores / spill loads (bytes): `ptxas -v` on the generated PTX (the same ptxas flags
-  as Triton's own cubin build are not needed for these counts);
-- shared: the kernel's static + Triton-managed shared memory (compiled metadata);
-- sass: all SASS instructions (`cuobjdump -sass`); loop: instructions inside the largest backward
-  branch (the per-tile K / page loop), with its op histogram; per_elem = loop / elements each thread
-  handles per loop iteration (the case's `elems`), the instruction cost of one weight or key value.
-
-Columns pipe / blk / KB/SM (the bytes-in-flight model of a latency-bound loop): how the loop's loads
-are pipelined (TTGIR: "sync", or "async xD" with D tiles buffered per program), programs resident per
-SM (registers, shared memory, warps), and the HBM bytes in flight per SM = programs x D x tile bytes.
-
-Cases: each indexer / attention cache format, NVFP4 in both decode versions (v3 word-wise, v2
-byte-wise), over the configurations those launches autotune; NVFP4 row strides (72 bytes) get no
-divisibility hint, as at run time (Triton only assumes alignment for multiples of 16).
-
-Caveat: the H200 runs an older Triton (3.6) than this machine may have; code generation can differ
-in detail, so use the numbers to compare variants compiled here, not as the device's exact SASS.
-
---mem adds, per case, the loop's memory instructions by full opcode (LDG.64 / LDG.128 / LDGSTS,
-STS.U16 / STS.128, LDSM) and the register layouts of the big global loads (TTGIR), the evidence for
-the coalescing of the NVFP4 word loads (v5).
+Why: the H200 is scarce, and whether a Triton kernel spills, how much shared memory it stages and how
+many instructions its hot loop issues per weight / key value can be read on a CPU machine. Each case
+compiles one kernel configuration at a benchmark shape for `GPUTarget("cuda", 90, 32)` (ptxas ships
+with Triton) and reads `ptxas -v`, the compiled metadata and `cuobjdump -sass`. Caveat: the H200 runs
+an older Triton (3.6); compare variants compiled here, do not read the numbers as the device's SASS.
 
 Usage: python benchmarks/kernel_compile_report.py [--only SUBSTR ...] [--json OUT.jsonl] [--ops N] [--mem]
 """
@@ -41,6 +21,17 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Columns: regs / spill stores / spill loads (bytes) from `ptxas -v` on the generated PTX; shared =
+# static + Triton-managed shared memory; sass = all SASS instructions; loop = instructions inside the
+# largest backward branch (the per-tile K / page loop) with its op histogram; per_elem = loop /
+# elements a thread handles per iteration (the case's `elems`). pipe / blk / KB/SM (bytes in flight
+# of a latency-bound loop): how the loop's loads are pipelined (TTGIR "sync" or "async xD"), programs
+# resident per SM, and HBM bytes in flight per SM = programs x D x tile bytes. Cases: each indexer /
+# attention cache format, NVFP4 in both decode versions, over the configurations those launches
+# autotune; 72-byte NVFP4 row strides get no divisibility hint, as at run time. --mem adds the loop's
+# memory instructions by opcode (LDG.64 / LDG.128 / LDGSTS, STS.U16 / STS.128, LDSM) and the register
+# layouts of the big global loads (TTGIR): the evidence for the coalescing of the v5 word loads.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

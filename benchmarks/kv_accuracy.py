@@ -1,28 +1,13 @@
 """KV-cache precision vs accuracy: next-token KL and top-1 agreement against a bf16 KV cache.
 
-What: a `tiny` model trained here as a byte-level LM on DAPO-Math-17K problem texts (cached under
-runs/_cache/kv-accuracy-lm) greedily generates long continuations with a bf16 KV cache (the native
-engine). The same token sequences are then teacher-forced through the paged-cache path
-(`forward_cached`, i.e. the engine's numerics) once per KV choice: fp8, nvfp4, nvfp4_4over6 and
-per-layer overrides. Per scored token we compare the next-token distribution with the bf16
-cache's: KL(bf16 || choice) and whether the argmax agrees; summaries are per choice and per
-position bucket (early vs late: FP4 K/V is said to hurt long-range dependencies).
-
-Why this model: a random model's distributions are near-uniform and say nothing; the honest case
-is a model trained on exact K/V (no KV simulation) and served from a quantized cache. Routed
-experts stay in float: only the cache's rounding differs between the rows of the table.
-
-Checks before any number is reported: the bf16 teacher-forced pass reproduces the engine's greedy
-tokens (fraction reported), and for every choice the cached path agrees with the training
-forward with KV simulation (`forward(kv_sim=True)` of the model configured with that choice):
-the largest |log-prob difference| between the two paths is reported (and must be tiny).
-
-Scales: K/V scales are the attention modules' defaults (DEFAULT_KV_SCALE = 1.0, uncalibrated, as
-the engine serves an uncalibrated checkpoint).
+A `tiny` model trained here as a byte-level LM on DAPO-Math-17K problem texts (cached under
+runs/_cache/kv-accuracy-lm; a random model's near-uniform distributions would say nothing) generates
+greedily with a bf16 KV cache; the same tokens are teacher-forced through the engine's cached path
+once per KV choice (fp8, nvfp4, nvfp4_4over6, per-layer overrides), and KL(bf16 || choice) and argmax
+agreement are reported per choice and per position bucket. Checked first: the bf16 pass reproduces
+the greedy tokens, and each cached path agrees with `forward(kv_sim=True)` (largest gap reported).
 
     python benchmarks/kv_accuracy.py --steps 300 --gen-tokens 512 --json OUT.jsonl
-
-Legend: S sequence, T scored tokens, V vocab.
 """
 
 from __future__ import annotations
@@ -36,6 +21,13 @@ import time
 from pathlib import Path
 
 import torch
+
+# Legend: S sequence, T scored tokens, V vocab.
+# The model is trained on exact K/V (no KV simulation) and served from a quantized cache, the honest
+# case; routed experts stay float, so only the cache's rounding differs between rows. Position
+# buckets (early vs late) test the claim that FP4 K/V hurts long-range dependencies. K/V scales are
+# the attention modules' defaults (DEFAULT_KV_SCALE = 1.0, uncalibrated), as the engine serves an
+# uncalibrated checkpoint.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

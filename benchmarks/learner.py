@@ -1,22 +1,14 @@
 """Learner throughput and memory (issue 10 item 3): NVFP4 base + rank-32 LoRA vs a bf16 dequantized twin.
 
-One learner step as rl/learner.py's Learner runs it, called directly (no Ray): token log-probs of a
-packed, padded batch through the model (with the KV simulation the engine's cache implies), the DAPO
-clipped policy loss (rl.grpo.policy_loss), backward into the adapter only, one AdamW step. Two models
-with identical weights, built and measured one at a time (so each peak is its own):
-- `nvfp4`: the `small` preset as served, routed experts packed NVFP4 (training runs the Triton MoE
-  kernels on CUDA, the sparse layers the block-sparse attention kernels);
-- `bf16`: the same model with every routed expert dequantized to bf16 (`ExpertBank.dequantized_all`),
-  the baseline a learner without NVFP4 kernels would run.
-Both get the same LoRA (rank 32 on attention / dense / shared MLPs, and on the routed experts unless
---no-routed-lora). Reported: learner tokens/s (valid tokens per step time, median), peak allocated
-memory, weight bytes, and a memory table of the `m3.1-flash` preset from the capacity planner next to
-what was measured for `small` (bytes per parameter, bytes per token).
+One learner step as rl/learner.py runs it, called directly (no Ray): token log-probs of a packed
+batch (with the KV simulation), the DAPO clipped loss, backward into the adapter, one AdamW step. Two
+models with identical weights, measured one at a time: `nvfp4` (the `small` preset as served, Triton
+MoE and block-sparse attention kernels on CUDA) and `bf16` (every routed expert dequantized). Both get
+the same LoRA (routed experts too unless --no-routed-lora). Reported: tokens/s, peak memory, weight
+bytes, and the capacity planner's `m3.1-flash` memory table beside what `small` measured.
 
     python benchmarks/learner.py --device cuda --json OUT.jsonl
     python benchmarks/learner.py --device cpu --quick        # smoke test (tiny preset, torch paths)
-
-No ray / wandb / vllm / datasets imports.
 """
 
 from __future__ import annotations

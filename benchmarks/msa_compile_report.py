@@ -1,19 +1,13 @@
-"""Offline sm_90 compile report of the block-sparse MSA training kernels: registers, spills, shared
-memory, SASS per loop iteration, and whether the K/V (or Q/dO) tile loads are software-pipelined.
+"""Offline sm_90 compile report of the block-sparse MSA training kernels (registers, spills, SASS).
 
-Why: the H200 is scarce and the kernels' efficiency per visited tile was ~6x below SDPA's (RESULTS.md,
-2026-11-30). Spills, unpipelined loads and per-element mask gathers can all be read on a CPU machine
-(ptxas ships with Triton). Each case compiles one kernel of one `MSATrainConfig` at a benchmark shape
-for `GPUTarget("cuda", 90, 32)` with the integer arguments specialised as the JIT would at that shape
-(values divisible by 16 get the divisibility attribute, 1 becomes a constant): without that, the
-strides look unaligned, loads do not vectorise and the pipeliner skips them, unlike on the device.
+Per case: registers, spills, shared memory, SASS per loop iteration, and whether the K/V (or Q/dO)
+tile loads are software-pipelined.
 
-Columns: regs, spill stores/loads (bytes), smem (bytes), async = cp.async copies in the TTGIR loop body
-(> 0: the loop's tile loads are pipelined), sync = plain `tt.load`s of 2-D tiles left in the loop,
-moves = layout conversions and register -> shared copies in the loop (1 per P / dS feeding a dot from
-registers is the floor; more means tiles round-trip through shared memory), loop = SASS instructions of
-the largest loop (the tile loop, its partial-tile mask branch included) with its op histogram.
-The H200 runs Triton 3.6, this machine may have a newer one: compare variants, not exact SASS.
+Why: the H200 is scarce, and spills, unpipelined loads and per-element mask gathers can be read on a
+CPU machine (ptxas ships with Triton). Each case compiles one kernel of one `MSATrainConfig` at a
+benchmark shape for `GPUTarget("cuda", 90, 32)`, with integer arguments specialised as the JIT would
+(without that, strides look unaligned and the pipeliner skips the loads). The H200 runs Triton 3.6,
+this machine may have a newer one: compare variants, not exact SASS.
 
 Usage: python benchmarks/msa_compile_report.py [--configs v1 v2 ...] [--shapes m3 small] [--json OUT]
 """
@@ -25,6 +19,15 @@ import json
 import re
 import sys
 from pathlib import Path
+
+# Specialisation: values divisible by 16 get the divisibility attribute, 1 becomes a constant.
+# Columns: regs, spill stores/loads (bytes), smem (bytes), async = cp.async copies in the TTGIR loop
+# body (> 0: the tile loads are pipelined), sync = plain `tt.load`s of 2-D tiles left in the loop,
+# moves = layout conversions and register -> shared copies in the loop (1 per P / dS feeding a dot
+# from registers is the floor; more means tiles round-trip through shared memory), loop = SASS of the
+# largest loop (the tile loop with its partial-tile mask branch) with its op histogram.
+# Written when the kernels' efficiency per visited tile was ~6x below SDPA's (benchmarks/RESULTS.md,
+# "training kernels on the H200").
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

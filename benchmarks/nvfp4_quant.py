@@ -1,15 +1,10 @@
 """NVFP4 quantize / dequantize throughput: model.nvfp4 against a naive row-loop baseline.
 
-Proof of value for model/nvfp4.py's vectorised implementation. Both versions compute the same
-numbers (checked byte for byte before timing); the baseline is the obvious transcription of the
-format: a Python loop over rows, per-row torch ops, a chain of torch.where for the E2M1 rounding
-and a per-row LUT decode. On CUDA the vectorised outputs are also compared with the CPU's, to
-show the quantizer is device-independent.
-
-Timing: CUDA events after warm-up, median of repeats, inputs rotated over enough copies to
-exceed L2; CPU uses time.perf_counter. Throughput counts bytes read + bytes written
-(quantize: x in, 0.5625 B/value out; dequantize: 0.5625 B/value in, 2 B/value bf16 out); on CUDA
-it is also given as a fraction of the 4.17 TB/s H200 copy roofline.
+Proof of value for model/nvfp4.py's vectorised implementation: the baseline is the obvious
+transcription (a Python loop over rows, a torch.where chain for E2M1 rounding, a per-row LUT decode);
+outputs are compared byte for byte before timing, and on CUDA also with the CPU's (device
+independence). Throughput counts bytes read + written (0.5625 B per NVFP4 value), on CUDA also as a
+fraction of the 4.17 TB/s copy roofline; CUDA events over inputs rotated past L2, median of repeats.
 
     python benchmarks/nvfp4_quant.py --device cuda --sizes 1M 16M 64M --json runs/nvfp4_quant.jsonl
 """

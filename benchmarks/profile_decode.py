@@ -1,5 +1,7 @@
-"""Decode-kernel profiling driver for Nsight Compute: runs each decode kernel of interest once at
-the benchmark's headline shape, after its autotune and warm-up, inside cudaProfilerStart/Stop, so
+"""Decode-kernel profiling driver for Nsight Compute: one launch per kernel, nothing of the set-up.
+
+Runs each decode kernel of interest once at the benchmark's headline shape, after its autotune and
+warm-up, inside cudaProfilerStart/Stop, so
 
   ncu --profile-from-start off --clock-control none --set full -o OUT python benchmarks/profile_decode.py
 

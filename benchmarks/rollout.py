@@ -1,24 +1,13 @@
 """Rollout throughput of the native engine and one GRPO step's time split (issue 10 item 3), no Ray.
 
-Target: the `small` preset trained briefly on the synthetic arithmetic task, routed experts then
-quantized to NVFP4 as served (benchmarks/dspark.py's `train_target`); drafter: a DSpark drafter
-distilled from it as benchmarks/dspark.py does (`generate_sequences` + `train_drafter`).
-
-1. Engine tokens/s at concurrency 1 / 16 / 64, KV cache bf16 vs NVFP4, without and with DSpark, for
-   two workloads: `task` (greedy arithmetic answers, stop at EOS, <= 12 tokens: what the drafter was
-   trained on) and `long` (greedy, EOS ignored, `--long-tokens`: steady-state decode). Every variant's
-   greedy output is compared with the plain bf16-KV run of the same workload (match fraction printed:
-   NVFP4 KV changes the numerics, so it may differ; DSpark must not change a plain run's output).
-2. One GRPO step called piece by piece, as rl/trainer.py orders them: rollout (engine.generate,
-   G samples per prompt, temperature 1), reward (the arithmetic answer check), learner (advantages,
-   token log-probs with the KV simulation, DAPO policy loss, backward into rank-32 LoRA, AdamW), sync
-   (adapter tensors to CPU as `rl.sync.make_update` ships them, then `engine.set_adapter`). The engine
-   and the learner share one model object (one GPU); the split is wall time per piece.
+Target: the `small` preset trained briefly on synthetic arithmetic, routed experts quantized to NVFP4
+as served, plus a DSpark drafter distilled from it (as benchmarks/dspark.py does). 1. Engine tokens/s
+at concurrency 1 / 16 / 64, bf16 vs NVFP4 KV, with and without DSpark, on a `task` and a `long`
+workload, each variant's greedy output compared with the plain bf16-KV run. 2. One GRPO step called
+piece by piece in rl/trainer.py's order (rollout, reward, learner, sync), wall time per piece.
 
     python benchmarks/rollout.py --device cuda --json OUT.jsonl
     python benchmarks/rollout.py --device cpu --quick        # smoke test (tiny preset)
-
-No ray / wandb / vllm / datasets imports.
 """
 
 from __future__ import annotations
@@ -32,6 +21,15 @@ import time
 from pathlib import Path
 
 import torch
+
+# Workloads: `task` = greedy arithmetic answers, stop at EOS, <= 12 tokens (what the drafter was
+# trained on); `long` = greedy, EOS ignored, `--long-tokens` (steady-state decode). NVFP4 KV changes
+# the numerics, so its match fraction may be below 1; DSpark must not change a plain run's output.
+# GRPO step: rollout = engine.generate, G samples per prompt at temperature 1; reward = the
+# arithmetic answer check; learner = advantages, token log-probs with the KV simulation, DAPO policy
+# loss, backward into rank-32 LoRA, AdamW; sync = adapter tensors to CPU as `rl.sync.make_update`
+# ships them, then `engine.set_adapter`. Engine and learner share one model object (one GPU).
+# No ray / wandb / vllm / datasets imports.
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

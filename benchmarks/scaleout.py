@@ -1,30 +1,9 @@
 """Scale-out benchmark: expert-parallel MoE (DEP) and decode-context-parallel (DCP) indexer and
 attention on 1 vs W ranks, tokens/s and memory per GPU, with correctness checked before timing.
 
-What it measures, per world size (each in fresh processes, one GPU per rank under NCCL, or gloo on
-the CPU):
-  - ep_moe_fwd / ep_moe_fwd_bwd: one MoE layer (NVFP4 routed experts + shared expert), every rank
-    feeding its own `--tokens` tokens (data-parallel attention: weak scaling, W x tokens per step),
-    experts sharded in contiguous ranges; forward (inference) and forward + input-gradient backward
-    (learner). Correctness: each rank's EP output vs the single-process MoE on the unsharded bank.
-  - dcp_indexer / dcp_attention / dcp_decode: one MSA layer's decode step for `--batch` sequences of
-    `--context` tokens (strong scaling: the same sequences, pages interleaved over W ranks).
-    Correctness: top-k sets identical to, and attention output within tolerance of, the single-rank
-    torch ops on the unsharded cache.
-  - dep_learner: the learner's forward + backward (token log-probs, LoRA on attention and on the
-    routed experts) of a `learner_layers`-layer MSA + MoE model with the preset's shapes, DEP: every
-    rank its own `--tokens` tokens (weak scaling), experts and their adapters sharded
-    (`apply_expert_parallel(..., shard_lora=True)`). Correctness: each rank's log-probs vs the
-    unsharded model's on the same tokens, beside the unsharded model's own error in the run's dtype
-    against fp32 (bf16 moves a random M3-width model's log-probs by ~20%; DEP's bf16 error is ~10x
-    smaller, its fp32 error 4e-7 on an H200). `state_gb` = this rank's routed experts + their adapters.
-Tokens/s counts all ranks' tokens; step time is the slowest rank's median (ranks are barrier-aligned
-before every repeat). Memory per GPU: `state_gb` = this rank's expert bank or KV + index pages,
-`peak_gb` = torch.cuda.max_memory_allocated during the timed steps (None on CPU).
-
-Note: DCP runs the batched torch path at every world size (the Triton indexer / attention kernels
-do not expose per-rank scores and LSEs yet), so its 1-vs-W ratio is a same-code scaling figure,
-not a comparison with the single-GPU Triton kernels.
+Benches: ep_moe_fwd / ep_moe_fwd_bwd (one MoE layer, weak scaling), dcp_indexer / dcp_attention /
+dcp_decode (one MSA layer's decode step, strong scaling), dep_learner (a learner's forward + backward
+with experts and adapters sharded). Each world size runs in fresh processes (NCCL, or gloo on CPU).
 
 Usage:
   python benchmarks/scaleout.py --device cuda --worlds 1,2 --json OUT.jsonl        (spawns ranks)
@@ -41,6 +20,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+# What each bench checks and counts:
+# - ep_moe_*: NVFP4 routed + shared experts, every rank feeding its own `--tokens` tokens
+#   (data-parallel attention: W x tokens per step), experts in contiguous ranges; forward and
+#   forward + input-gradient backward. Correct: each rank's EP output vs the single-process MoE.
+# - dcp_*: `--batch` sequences of `--context` tokens, pages interleaved over W ranks. Correct: top-k
+#   sets identical to, and attention within tolerance of, the single-rank torch ops. DCP runs the
+#   batched torch path at every world size (the Triton kernels expose no per-rank scores / LSEs), so
+#   its 1-vs-W ratio is a same-code scaling figure, not a comparison with the Triton kernels.
+# - dep_learner: token log-probs + backward of a `learner_layers`-layer MSA + MoE model, LoRA on
+#   attention and routed experts, `apply_expert_parallel(..., shard_lora=True)`. Correct: each
+#   rank's log-probs vs the unsharded model's, beside that model's own error in the run's dtype
+#   against fp32 (bf16 moves a random M3-width model's log-probs by ~20%; DEP's bf16 error is ~10x
+#   smaller, its fp32 error 4e-7 on an H200).
+# Tokens/s counts all ranks' tokens; step time is the slowest rank's median (ranks barrier-aligned
+# before every repeat). `state_gb` = this rank's expert bank (+ adapters) or KV + index pages;
+# `peak_gb` = torch.cuda.max_memory_allocated during the timed steps (None on CPU).
 
 # The repo root ahead of benchmarks/ (this script's own folder, sys.path[0]): benchmarks/rollout.py
 # would otherwise shadow the `rollout` package.
@@ -68,7 +64,7 @@ from model.parallel.groups import ParallelGroups, launch_local
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 from random_init import build_random_model, random_model_, random_nvfp4_bank_
 
-# Shapes: M3.1-Flash's MoE layer and MSA layer (FACTS 2), and a CPU-sized twin.
+# Shapes: M3.1-Flash's MoE layer and MSA layer (docs/FACTS.md, "M3 architecture"), and a CPU-sized twin.
 PRESETS = {
     "m3": dict(hidden=6144, ffn=3072, experts=128, topk=4, tokens=2048, heads=64, kv_heads=4, head_dim=128,
                page=128, topk_blocks=16, context=131072, batch=8, reps=10, model="m3.1-flash",

@@ -1,33 +1,15 @@
 """Training kernels (issue 10 items 1-2) against their baselines, side by side in one process.
 
-MoE (forward + input-grad backward, router weights and x need grad, no adapter, then with rank-32
-expert LoRA): the Triton NVFP4 grouped GEMMs (`model.kernels.triton_moe_train`) vs
-- `dequant+bf16`: every call dequantizes the bank to bf16 (model.nvfp4.dequantize, the torch
-  reference decode) then runs the grouped bf16 matmuls (slots sorted by expert, one matmul per expert,
-  autograd) - the baseline of the target (>= 1.5x);
-- `bf16 resident`: the same grouped matmuls on weights dequantized once beforehand (3.56x the memory:
-  what the NVFP4 kernel would have to beat if memory were free).
-Sparse attention (forward, forward + backward; bf16): the Triton block-sparse kernels
-(`model.kernels.triton_msa_train`, every `CONFIGS` entry: v1 = the 2026-11-30 tiles and mask, v2* =
-the candidates) vs FlexAttention with the same block mask (compiled; full blocks skip mask_mod, or
-`--flex-variants nofull` for the 2026-11-30 mask) vs dense causal attention (SDPA), at 16K+ tokens,
-top-16 of 128-token blocks. Two selections: "coherent" (every token of a query block picks the same
-blocks: the 2026-11-30 runs, the best case) and "noisy" (per token, the top-k of a block-level score
-plus `--noise` x per-token noise: neighbours share most blocks, the union over a query tile grows, as
-with a real indexer). Per Triton config: visited / full tile fractions, the plan / forward / dQ /
-dK-dV kernels timed alone, and the forward's TFLOP/s over the tiles it visits (dense: over the causal
-half), so per-tile efficiency compares directly. The summary ends with the faster backend per
-regime, the entries of `model.kernels.sparse_attention.AUTO_TRAIN_BACKEND`.
-
-Correctness is checked before timing (outputs and input grads vs the baseline). Timing: CUDA events,
-median of `--repeats` after warm-up. CPU (`--device cpu --quick`): tiny shapes, the Triton kernels
-under TRITON_INTERPRET=1 - a smoke test of the script, ratios meaningless.
+MoE (forward + input-grad backward, with and without rank-32 expert LoRA): the Triton NVFP4 grouped
+GEMMs (`model.kernels.triton_moe_train`) vs dequantize-then-bf16 (the target's baseline, >= 1.5x) and
+vs bf16 weights resident. Sparse attention (bf16, forward and forward + backward): the Triton
+block-sparse kernels (every `CONFIGS` entry) vs FlexAttention with the same block mask vs dense SDPA,
+16K+ tokens, top-16 of 128-token blocks; the summary ends with the faster backend per regime (the
+entries of `AUTO_TRAIN_BACKEND`). Correctness is checked before timing. No ray / wandb / vllm imports.
 
     python benchmarks/training_kernels.py --device cuda --json OUT.jsonl
     python benchmarks/training_kernels.py --device cuda --moe --attn m3-16k --selections noisy --variants v2
     python benchmarks/training_kernels.py --device cpu --quick
-
-No ray / wandb / vllm / datasets imports.
 """
 
 from __future__ import annotations
@@ -39,6 +21,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+# Baselines: `dequant+bf16` dequantizes the bank every call (model.nvfp4.dequantize) and runs grouped
+# bf16 matmuls (slots sorted by expert, one matmul per expert, autograd); `bf16 resident` runs them on
+# weights dequantized once (3.56x the memory). Attention: `CONFIGS` v1 = the 2026-11-30 tiles and
+# mask, v2* the candidates; flex full blocks skip mask_mod (`--flex-variants nofull`: the 2026-11-30
+# mask). Selections: "coherent" (every token of a query block picks the same blocks: the best case)
+# and "noisy" (per token, top-k of a block score plus `--noise` x per-token noise, so the union over a
+# query tile grows as with a real indexer). Per Triton config: visited / full tile fractions, plan /
+# forward / dQ / dK-dV kernels timed alone, forward TFLOP/s over the visited tiles (dense: over the
+# causal half). Timing: CUDA events, median of `--repeats` after warm-up. CPU (`--quick`): tiny shapes
+# under TRITON_INTERPRET=1, a smoke test only (ratios meaningless).
 
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported

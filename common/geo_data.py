@@ -1,30 +1,15 @@
 """geo_vision: Geometry3K-format visual math data — rows to image+text prompts, and a diagram generator.
 
-What: the Geometry3K format as published on the hub (`hiyouga/geometry3k`): one row per problem with
-`images` (a list of {"bytes", "path"} image structs, PNG/JPEG bytes embedded), `problem` (text with one
-`<image>` marker per image, where the image belongs) and `answer` (a string). `records_from_geo3k_rows`
-turns such rows into `common.data.Prompt`s whose single user message is a list of OpenAI-style content
-parts, images as base64 data URLs in marker order, then the text with the "Answer:" instruction that
-rl/rewards.py scores:
+What: `records_from_geo3k_rows` turns rows in the hub's Geometry3K format (`hiyouga/geometry3k`:
+`images`, `problem` with one `<image>` marker per image, `answer`) into `common.data.Prompt`s with one
+user message of OpenAI-style content parts (images as base64 data URLs in marker order, then the text
+plus the "Answer:" instruction rl/rewards.py scores). `generate_split` / `python -m common.geo_data
+--out data/geo_vision` write a small synthetic dataset in that format (rendered diagrams with integer
+answers), so the `geo_vision` recipe also runs offline from a local parquet.
 
-    [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,<...>"}},
-        {"type": "text", "text": "<problem without the marker>" + GEO_SUFFIX}]}]
-
-`generate_split` / `python -m common.geo_data --out data/geo_vision` write a small synthetic dataset in
-that format: rendered diagrams (right triangles, rectangles, coloured dots, bar charts) at `size` px
-with integer answers (hypotenuse, area, perimeter, a count, a bar's value).
-
-Why: the recipe `geo_vision` needs a visual math dataset that loads with `datasets` from the hub and,
-offline, from a local parquet in the very same format; the local copy is generated (reproducibly,
-small enough to ship in the repository) rather than downloaded.
-
-Invariants: generation is a pure function of (split, n, seed, size): the same arguments give the same
-PNG bytes and the same parquet rows. Train and test problems are disjoint by their parameters (the
-split is a fixed hash of a problem's numbers; layouts only vary the picture). Loading never crashes
-on a bad row: an image that does not decode, is larger than `max_image_pixels`, a row with no or too
-many images, markers that do not match the images, or a missing answer are skipped and counted by
-reason, as common/data.py does for text rows.
+Invariants: generation is a pure function of (split, n, seed, size); train and test problems are
+disjoint by their parameters; a bad row (undecodable or oversized image, image count or markers that
+do not match, no answer) is skipped and counted by reason, never a crash.
 """
 
 from __future__ import annotations
@@ -51,6 +36,14 @@ from common.data import (
     log_skipped,
     prompt_uid,
 )
+
+# One prompt's message:
+#     [{"role": "user", "content": [
+#         {"type": "image_url", "image_url": {"url": "data:image/png;base64,<...>"}},
+#         {"type": "text", "text": "<problem without the marker>" + GEO_SUFFIX}]}]
+# Synthetic diagrams: right triangles, rectangles, coloured dots, bar charts at `size` px; answers are
+# a hypotenuse, an area, a perimeter, a count or a bar's value. The split is a fixed hash of a
+# problem's numbers (layouts only vary the picture); the same arguments give the same PNG bytes.
 
 GEO3K_COLUMNS = ("images", "problem", "answer")
 GEO3K_SCHEMA = "Geometry3K-style columns images = [{bytes, path}], problem (with <image>), answer"

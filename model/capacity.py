@@ -1,25 +1,13 @@
 """Capacity planner: parameters, checkpoint bytes, KV-cache bytes and concurrent sequences.
 
-What: pure arithmetic over a `ModelConfig` (no model is built, so the full 427e9-parameter M3
-answers instantly): every tensor the checkpoint holds is enumerated with its shape and storage
-scheme; caches are counted per token; a deployment (GPUs x memory, tp / ep / dep) turns that into
-the number of full-context sequences that fit.
+What: pure arithmetic over a `ModelConfig` (no model is built, so the full 427e9-parameter M3 answers
+instantly): every checkpoint tensor is enumerated with its shape and storage scheme, caches are
+counted per token, and a deployment (GPUs x memory, tp / ep / dep) turns that into the number of
+full-context sequences that fit. Why: the headline serving claim (docs/FACTS.md, "Headline figures")
+must follow from first principles, not from a measured engine.
 
-Why: the headline serving claim (256K-token sequences on 4 x 288 GB GPUs, DEP4: M3 with an FP8 KV
-cache vs M3.1-Flash with NVFP4) must follow from first principles, not from a measured engine.
-
-Conventions (units are bytes and decimal GB = 1e9 B, as checkpoint sizes are quoted):
-- `total_params` counts nn.Parameters of the backbone: embeddings, lm_head (unless tied), norms,
-  router; not the `e_score_correction_bias` buffer (its bytes are in the checkpoint) and not the
-  MTP module unless include_mtp. `active_params` = what one token multiplies through in the
-  backbone, embeddings and lm_head excluded (the "~23B active" convention): attention, indexer,
-  norms, dense MLPs, shared experts, router and top-k of the routed experts.
-- Bytes per weight value: bf16 2; fp8 1 (+ fp32 weight_scale and input_scale per tensor); MXFP8
-  1 + 1/32 (one E8M0 scale per 32 values along K); NVFP4 1/2 + 1/16 (one E4M3 scale per 16
-  values) + fp32 weight_scale_2 per tensor (+ input_scale when W4A4). Router weight and bias fp32.
-- Cache bytes per token and head of width C: bf16 2C, fp8 C, nvfp4 C/2 + C/16 (72 B at C=128).
-  Main K/V: every layer, 2 sides x kv heads. Index cache: one key head of index_head_dim per
-  sparse layer (`none` = not counted).
+Conventions: bytes and decimal GB (1e9 B, as checkpoint sizes are quoted); `active_params` excludes
+embeddings and lm_head (the "~23B active" convention); byte rules per scheme in the comment below.
 """
 
 from __future__ import annotations
@@ -34,6 +22,18 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from model.config import CacheDtype, ModelConfig
+
+# Counting rules:
+# - `total_params`: nn.Parameters of the backbone (embeddings, lm_head unless tied, norms, router);
+#   not the `e_score_correction_bias` buffer (its bytes are in the checkpoint) and not the MTP
+#   module unless include_mtp. `active_params`: attention, indexer, norms, dense MLPs, shared
+#   experts, router and the top-k routed experts one token multiplies through.
+# - Bytes per weight value: bf16 2; fp8 1 (+ fp32 weight_scale and input_scale per tensor); MXFP8
+#   1 + 1/32; NVFP4 1/2 + 1/16 + fp32 weight_scale_2 per tensor (+ input_scale when W4A4). Router
+#   weight and bias fp32.
+# - Cache bytes per token and head of width C: bf16 2C, fp8 C, nvfp4 C/2 + C/16 (72 B at C = 128).
+#   Main K/V: every layer, 2 sides x kv heads. Index cache: one key head of index_head_dim per
+#   sparse layer (`none` = not counted).
 
 Parallel = Literal["tp", "ep", "dep"]
 IndexCacheDtype = Literal["bf16", "fp8", "nvfp4", "none"]

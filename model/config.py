@@ -1,18 +1,14 @@
 """Model configuration for the MiniMax-M3 family (M3, M3.1-Flash) and its small test twins.
 
 What: `ModelConfig` (architecture, cache dtypes, weight quantization) and `QuantConfig` (one weight
-scheme per group of linear layers), both validated in `__post_init__`, and the presets. Reading and
-writing config.json (both published styles, the ModelOpt quantization config) lives in
-model/hf_config.py behind `from_hf_dict` / `to_hf_dict` / `from_pretrained` / `save_pretrained`.
+scheme per group of linears), validated in `__post_init__`, and the presets; config.json I/O lives in
+model/hf_config.py. Why: every module builds itself from this one object, so a wrong or unknown key
+fails here, naming the field and the fix. Defaults are the full-size M3 (docs/FACTS.md,
+"M3 architecture"), unquantized with a bf16 KV cache; the presets add the published quantization.
 
-Why: every module builds itself from this one object, so a wrong or unknown key must fail here,
-loudly, naming the field and the fix, rather than produce a silently different model.
-
-Invariants: one entry per layer in `layer_types` / `mlp_layer_types`; one indexer head per KV
-group (`index_n_heads == num_key_value_heads`); a weight group in NVFP4 (MXFP8) has every K dim a
-multiple of 16 (32); a quantized group is quantized in every layer (no per-layer exceptions).
-Defaults describe the full-size M3 architecture, unquantized with a bf16 KV cache; the presets
-add the published quantization. `from_hf_dict(cfg.to_hf_dict()) == cfg`.
+Invariants: one entry per layer in `layer_types` / `mlp_layer_types`; `index_n_heads ==
+num_key_value_heads`; NVFP4 (MXFP8) groups have every K dim a multiple of 16 (32) and are quantized in
+every layer; `from_hf_dict(cfg.to_hf_dict()) == cfg`.
 """
 
 from __future__ import annotations

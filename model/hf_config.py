@@ -2,19 +2,15 @@
 and the ModelOpt quantization config.
 
 What: `config_from_hf_dict` / `config_to_hf_dict` / `config_from_pretrained` / `save_config`, behind
-`ModelConfig.from_hf_dict`, `.to_hf_dict`, `.from_pretrained` and `.save_pretrained`:
-  (a) `minimax_m3_text` (vLLM's loader): expert width as `intermediate_size`, sparse attention as a
-      `sparse_attention_config` dict with `sparse_*` keys and per-layer 0/1 lists, `moe_layer_freq`;
-  (b) `minimax_m3_vl` (transformers port): a top-level dict holding `text_config` (flat keys
-      `layer_types`, `mlp_layer_types`, `index_*`, `rope_parameters`) and `vision_config`.
-The ModelOpt `quantization_config` (or `hf_quant_config.json`) is read into `QuantConfig`.
+the `ModelConfig` methods, for (a) `minimax_m3_text` (expert width as `intermediate_size`, a
+`sparse_attention_config` dict of `sparse_*` keys and per-layer 0/1 lists, `moe_layer_freq`) and (b)
+`minimax_m3_vl` (`text_config` with flat `layer_types`, `mlp_layer_types`, `index_*`,
+`rope_parameters`, plus `vision_config`); the ModelOpt `quantization_config` / `hf_quant_config.json`
+becomes `QuantConfig`. Why apart from model/config.py: key tables change with each checkpoint.
 
-Why a module of its own: the key tables and the parsing rules are most of the config code and change
-with each published checkpoint; the dataclasses and their validation (model/config.py) do not.
-
-Invariants: unknown keys and disagreeing duplicates fail, naming the key and the fix;
-`config_from_hf_dict(config_to_hf_dict(cfg)) == cfg`; `to_hf` writes style (a)'s model_type
-"minimax_m3_text" with the flat (b) keys plus the legacy mirrors vLLM reads.
+Invariants: unknown keys and disagreeing duplicates fail, naming the key and the fix; the round trip
+is the identity; `to_hf` writes model_type "minimax_m3_text" with the flat (b) keys plus the legacy
+mirrors vLLM reads, wrapped as style (b) when the model has a vision part.
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """NVFP4 frozen base + PEFT LoRA for any Hugging Face causal LM (Qwen3, Llama, ...).
 
-What: `quantize_hf_model` replaces a transformers model's nn.Linear modules in place by
-`NVFP4Linear` (weights quantized by `model.nvfp4.quantize`, the project's one format definition,
-held as ModelOpt-named buffers), `apply_peft_lora` puts PEFT LoRA adapters on top through PEFT's
-custom-module mapping (`NVFP4Linear` -> `NVFP4LoraLinear`), `load_peft_lora` re-applies a saved
-adapter to such a model, and `export_dequantized_base` writes the "dequantized twin": an ordinary
-Hugging Face checkpoint whose linears hold dequantize(quantize(W)). vLLM's CPU build has no NVFP4
-kernels but loads the twin, so an adapter trained here is served against the weights it was
-trained on: the twin's weights are, bit for bit, the values `nvfp4_linear` multiplies by when the
-activations are in the exported dtype (bf16 by default; export fp32 for an fp32 learner); outputs
-then differ only by matmul accumulation order.
+What: `quantize_hf_model` swaps a transformers model's nn.Linear for `NVFP4Linear` (`model.nvfp4`,
+ModelOpt-named buffers), `apply_peft_lora` / `load_peft_lora` put PEFT LoRA on top (custom-module
+mapping `NVFP4Linear` -> `NVFP4LoraLinear`), `export_dequantized_base` writes the "dequantized twin"
+(an ordinary HF checkpoint holding dequantize(quantize(W))) that vLLM's CPU build can serve. Why:
+small public models make the frozen-NVFP4-base path testable and servable without the M3 code.
 
-Why: the product trains rank-r adapters over a frozen NVFP4 base; small public models make that
-path testable and servable without the MiniMax-specific model code.
-
-Invariants:
-- One quantizer: `NVFP4Linear.from_linear` calls `model.nvfp4.quantize` with its default global
-  scale; the buffers are `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16],
-  `weight_scale_2` fp32 (ModelOpt names), so `state_dict()` is the ModelOpt layout and
-  `model.checkpoint.base_fingerprint` hashes the codes and scales directly.
-- The base is frozen: quantized weights are buffers (no grad possible), every other base parameter
-  gets requires_grad=False; training never materialises a whole full-precision weight (forward
-  and backward go through `model.kernels.nvfp4_linear.nvfp4_linear`, tile by tile).
-- `model.to(dtype)` moves but never casts the NVFP4 buffers (a bf16 scale_2 would change the base).
-- A fresh adapter (PEFT init: A Kaiming-uniform, B zeros) leaves outputs bit-identical.
-- Adapter files are plain PEFT (`adapter_config.json` + `adapter_model.safetensors`): the custom
-  mapping lives only in memory, so `PeftModel.from_pretrained` applies them to the twin unchanged.
-
-Shapes: N output features, K input features (multiple of 16), R rank.
+Invariants: one quantizer (`state_dict()` is the ModelOpt layout, hashed by `base_fingerprint`); the
+base is frozen and never materialised whole in full precision; `model.to(dtype)` never casts the NVFP4
+buffers; a fresh adapter leaves outputs bit-identical; the twin's weights are bit for bit what
+`nvfp4_linear` multiplies by in the exported dtype; adapter files are plain PEFT.
 """
 
 from __future__ import annotations
@@ -50,6 +32,14 @@ from torch import nn
 from model.checkpoint import base_fingerprint
 from model.kernels.nvfp4_linear import nvfp4_linear
 from model.nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize, quantize
+
+# Shapes: N output features, K input features (multiple of 16), R rank.
+# Buffers: `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16], `weight_scale_2` fp32;
+# quantized weights are buffers (no grad possible) and every other base parameter has
+# requires_grad=False; forward and backward go through `model.kernels.nvfp4_linear.nvfp4_linear`
+# tile by tile. The twin is exported in bf16 by default (fp32 for an fp32 learner); served outputs
+# then differ only by matmul accumulation order. The custom PEFT mapping lives only in memory, so
+# `PeftModel.from_pretrained` applies the adapter files to the twin unchanged.
 
 log = logging.getLogger(__name__)
 

@@ -1,25 +1,15 @@
 """Checksum manifests for tensor files on disk: detect truncated or bit-flipped shards before loading.
 
-What: `write_manifest(directory, names)` records the sha256 and byte size of each named file in
-`directory/checksums.json`; `verify_manifest(directory, names)` checks them and raises
-`IntegrityError` naming the first bad file, what is wrong with it and what to do. Model checkpoints
-(model/checkpoint.py) and adapters (model/adapter.py) call these; run checkpoints
-(rl/checkpointing.py) keep their own manifest.json but hash with `file_sha256` and report with
-`describe_mismatch`, so every corruption message reads the same.
+What: `write_manifest(directory, names)` records sha256 and size of each named file in
+`directory/checksums.json`; `verify_manifest` checks them and raises `IntegrityError` naming the file,
+the fault and the fix. Model checkpoints and adapters call these; run checkpoints keep their own
+manifest but use `file_sha256` / `describe_mismatch`, so every corruption message reads the same.
+Why only tensor files: the large safetensors are what gets silently damaged, while the small JSON
+files beside them are meant to be hand-edited and are validated strictly on load.
 
-Why only tensor files: the payload that can be silently damaged (a copy cut short, a flipped bit
-on a bad disk) is the large binary safetensors. The small JSON files beside them (config.json,
-adapter_config.json) are meant to be edited by hand (a base path, a quantization setting) and are
-parsed and validated strictly on load, so checksumming them would turn legitimate edits into
-"corruption" errors.
-
-Invariants:
-- The manifest is written after the files it lists and published by an atomic rename (temp file,
-  fsync, os.replace), so a reader never sees a manifest for files that are not complete.
-- A directory without a manifest (written before manifests existed, or by another tool) still
-  loads: `verify_manifest` logs one warning per directory per process and returns False.
-- A manifest that exists is trusted only if it parses; a listed file that is missing, has another
-  size or another sha256, or a requested file that the manifest does not list, is an error.
+Invariants: the manifest is written after its files and published by atomic rename; a directory
+without one still loads (one warning per directory per process, returns False); an existing manifest
+must parse, and a missing, resized, changed or unlisted requested file is an error.
 """
 
 from __future__ import annotations

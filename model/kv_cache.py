@@ -1,36 +1,15 @@
-"""Paged KV storage for one model: main K/V pages per attention layer, index-key pages per
-sparse layer, in fp32 / bf16 / fp8 (e4m3) / NVFP4 / NVFP4 with 4-over-6 block scales.
+"""Paged KV storage for one model: main K/V pages per attention layer, index-key pages per sparse
+layer, in fp32 / bf16 / fp8 (e4m3) / NVFP4 / NVFP4 with 4-over-6 block scales.
 
-Why paged: the engine shares and rolls back sequences at page granularity (vLLM style). A
-sequence owns a block table (page ids); token position p lives in page block_table[p // page]
-at offset p % page, i.e. slot = page_id * page_size + offset. The page size equals the MSA
-block size (config.index_block_size), so a selected sparse block is exactly one page.
+Why paged: the engine shares and rolls back sequences at page granularity; the page size equals the
+MSA block size, so a selected sparse block is exactly one page. Token position p lives at slot
+block_table[p // page] * page_size + p % page. NVFP4 rows are vLLM's MiniMax-M3 layout (docs/FACTS.md,
+"NVFP4 KV cache"); one static fp32 dequant-side scale per layer and side, set with `set_scales`.
 
-Layouts (P pages, N kv heads, C head dim, Ci index head dim, page = page_size):
-- main K/V, every dtype: [P, 2N, page, X], slot 2*head + side (side 0 = K, 1 = V); X = C for
-  fp32/bf16/fp8 (fp8 stored as raw e4m3 bytes in uint8) and C/2 + C/16 for NVFP4 (C/2 packed
-  E2M1 bytes, then C/16 e4m3 block scales: 72 B for C = 128, vLLM's MiniMax-M3 layout).
-  "nvfp4_4over6" is the same layout and the same dequantization; only the writer differs: each
-  16-value block keeps whichever of the max/6 or max/4 block scale reconstructs it with the
-  smaller squared error (`nvfp4.kv_quantize(..., four_over_six=True)`), so any NVFP4 reader
-  (vLLM included) serves its pages unchanged.
-- index keys (sparse layers only): [P, page, Xi], one shared head, same per-dtype rule.
-
-Scales: one fp32 dequant-side scale per layer per side (k, v, index). fp8 stores
-e4m3(clamp(x / scale, +-448)); NVFP4 uses `scale` as the per-tensor scale_2 (amax / 2688) and
-computes 16-value block scales per token at append. Scales are static: they default to
-DEFAULT_KV_SCALE (1.0, vLLM's uncalibrated default) and are set with `set_scales` from the
-attention module's `k_scale` / `v_scale` / `index_k_scale` buffers, so that `kv_quant_dequant`
-(the training-side simulation) and the cache round trip are the same function bit for bit.
-
-Invariants:
-- gather(...) returns exactly kv_quant_dequant(appended values) for every appended position.
-- Rollback / truncation is the caller keeping a shorter length: slots past a sequence's length
-  are stale, never read (attention reads positions <= the query's own, all written), and are
-  overwritten by the next append at those positions.
-- No host syncs in append / gather (lengths are Python ints owned by the caller).
-- Plain NVFP4 appends run the fused Triton quantize-and-store kernel on CUDA
-  (`model.kernels.triton_kv_append`, byte-identical to `quantize_kv`); everything else is torch.
+Invariants: `gather` returns exactly `kv_quant_dequant` of the appended values (the training-side
+simulation is the same function bit for bit); rollback is the caller keeping a shorter length (stale
+slots are never read and are overwritten by the next append); no host syncs in append / gather; CUDA
+NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`.
 """
 
 from collections.abc import Sequence
@@ -41,6 +20,17 @@ import torch
 
 from model import nvfp4
 from model.config import ModelConfig
+
+# Layouts (P pages, N kv heads, C head dim, Ci index head dim, page = page_size):
+# - main K/V: [P, 2N, page, X], slot 2*head + side (0 = K, 1 = V); X = C for fp32/bf16/fp8 (fp8 as
+#   raw e4m3 bytes in uint8) and C/2 + C/16 for NVFP4 (packed E2M1, then e4m3 block scales: 72 B at
+#   C = 128). "nvfp4_4over6" has the same layout and dequantization; only the writer differs (each
+#   16-value block keeps the max/6 or max/4 scale with the smaller squared error), so any NVFP4
+#   reader, vLLM included, serves its pages unchanged.
+# - index keys (sparse layers only): [P, page, Xi], one shared head, same per-dtype rule.
+# Scales: fp8 stores e4m3(clamp(x / scale, +-448)); NVFP4 uses `scale` as scale_2 (amax / 2688) and
+# computes block scales per token at append. Defaults are DEFAULT_KV_SCALE (1.0, vLLM's uncalibrated
+# default); the attention module's `k_scale` / `v_scale` / `index_k_scale` buffers are the source.
 
 try:  # Triton is optional on CPU machines: without it appends take the torch path.
     from model.kernels.triton_common import triton_available
@@ -334,7 +324,7 @@ class KVCache:
 
     # --------------------------------------------------------------------------- sizes, sharing
     def bytes_per_token(self, layer: int) -> int:
-        """Main K/V bytes one token occupies in `layer` (what FACTS section 1 counts)."""
+        """Main K/V bytes one token occupies in `layer` (what docs/FACTS.md, "Headline figures" counts)."""
         t = self.kv[layer]
         return t.shape[1] * t.shape[3] * t.element_size()
 

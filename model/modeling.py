@@ -1,31 +1,15 @@
 """The MiniMax-M3 causal LM (M3, M3.1-Flash and their small twins), read bottom-up.
 
 What: `DecoderLayer` (norm -> attention -> residual -> norm -> dense MLP or MoE -> residual) and
-`MiniMaxM3ForCausalLM` with the two entry points every other part of the project uses:
-  - `forward(input_ids_BS, ...)`: the full-sequence pass for training. Returns logits, or with
-    `token_logprobs(...)` the per-token log-probabilities of given targets without materialising
-    [B, S, V] logits at once. Padding and packed sequences go through `seq_ids_BS`.
-  - `forward_cached(input_ids_T, ...)`: one engine step over a paged KV cache (model/kv_cache.py):
-    T flattened new tokens from B sequences (prefill chunks, decode tokens or verify tokens).
+`MiniMaxM3ForCausalLM` with two entry points: `forward` / `token_logprobs` (full sequences for
+training, packing through `seq_ids_BS`, log-probs without all [B, S, V] logits at once) and
+`forward_cached` (one engine step of T flattened tokens over the paged KV cache). Why one file: the
+network fits on a few screens; numerics live in model/layers and model/kernels. Names copy the
+checkpoint (`model.layers.{i}.self_attn.q_proj`, ...), so loading is a straight copy.
 
-Why one file: the whole network should fit on a few screens; the numerics live in model/layers and
-model/kernels, this file only wires them. Module and parameter names copy the checkpoint
-(`model.layers.{i}.self_attn.q_proj`, `...block_sparse_moe.experts`), so loading is a straight copy.
-
-Images (configs with a vision part, `config.vision`): `self.vision` is the frozen tower + projector
-(model/vision/tower.py; never quantized, never adapted by the text LoRA). The training entry points
-take `images` (`ProcessedImage`s in prompt order, rows concatenated over the batch in reading
-order) or precomputed `image_features_NE`, and overwrite the embedding rows of the image
-placeholder ids with the features right after `embed_tokens`; `forward_cached` takes the feature
-rows of exactly the placeholder tokens in its T new tokens (the engine slices them per prefill
-chunk), so a chunk boundary may fall inside an image's span.
-
-Invariants: routed experts are frozen (NVFP4 buffers or frozen float parameters), never upcast as
-a whole; `forward_cached` token by token reproduces `forward` (tested to 1e-5 in fp32), and with an
-NVFP4 cache it reproduces `forward(kv_sim=True)`, which quantize-dequantizes K/V exactly as the
-cache stores them.
-
-Legend: B batch, S sequence, T flattened tokens, D hidden, V vocab, P pages per sequence.
+Invariants: routed experts are frozen and never upcast as a whole; `forward_cached` token by token
+reproduces `forward` (1e-5 in fp32), and with an NVFP4 cache `forward(kv_sim=True)`; image features
+overwrite the placeholder embeddings right after `embed_tokens` (the frozen tower in `self.vision`).
 """
 
 from __future__ import annotations
@@ -44,6 +28,14 @@ from model.layers.attention import Attention
 from model.layers.moe import DenseMLP, MoE
 from model.layers.norm import RMSNorm
 from model.vision.tower import VisionModel, merge_image_features
+
+# Legend: B batch, S sequence, T flattened tokens, D hidden, V vocab, P pages per sequence.
+#
+# Images (`config.vision`): the tower + projector (model/vision/tower.py) is never quantized and never
+# adapted by the text LoRA. `forward` takes `images` (`ProcessedImage`s in prompt order, rows
+# concatenated over the batch in reading order) or precomputed `image_features_NE`; `forward_cached`
+# takes the feature rows of exactly the placeholder tokens among its T new tokens (the engine slices
+# them per prefill chunk), so a chunk boundary may fall inside an image's span.
 
 if TYPE_CHECKING:
     from model.vision.preprocess import ProcessedImage
@@ -203,7 +195,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [B, S, D]. `seq_ids_BS` marks packed sequences (equal ids attend
         to each other; -1 = padding); `positions_BS` then restart at 0 per packed sequence.
-        `images` / `image_features_NE`: see the module docstring."""
+        `images` / `image_features_NE`: see the notes at the top of the module."""
         if positions_BS is None:
             positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(
                 input_ids_BS

@@ -1,28 +1,14 @@
-"""MXFP8: the OCP Microscaling format with FP8 E4M3 elements.
+"""MXFP8: the OCP Microscaling format with FP8 E4M3 elements (docs/FACTS.md, "MXFP8").
 
-What: every 32 consecutive values along the last (K) dimension share one power-of-two scale stored
-as an E8M0 byte (biased exponent, bias 127, 255 = NaN); each value is an FP8 E4M3 number. Storage
-is 1 + 1/32 bytes per value. MiniMax-M3 stores its routed experts (and M3.1-Flash its dense
-weights) this way; checkpoints call the scale tensor `weight_scale_inv` (M3) or `weight_scale`
-(vLLM's name after loading). Both hold the same E8M0 bytes: x = e4m3 * 2^(byte - 127).
+What: every 32 consecutive values along K share one power-of-two scale stored as an E8M0 byte (bias
+127, 255 = NaN): x = e4m3 * 2^(byte - 127). Checkpoints call the scale `weight_scale_inv` (M3) or
+`weight_scale` (vLLM after loading). Why here: the learner must dequantize such weights exactly as the
+engine does, and the converter must produce them. Scale rule: `scale_rule="floor"` (OCP MX v1.0 6.3,
+the default) or vLLM's `"ceil"` (no saturation), both from the exact fp32 exponent bits.
 
-Why here: the learner must dequantize such weights exactly as the engine does (dequantization is
-exact in fp32: an E4M3 value times a power of two), and the converter must be able to produce
-them.
-
-Scale rule (quantization side). The OCP MX spec v1.0 (section 6.3) sets the shared exponent to
-`floor(log2(amax)) - emax_elem` with emax_elem = 8 for E4M3 (its largest normal, 448, is
-1.75 * 2^8); the scaled values then lie in [0, 512) and the few above 448 saturate to 448. That is
-the default (`scale_rule="floor"`). vLLM's torch/Triton quantizers instead take the smallest
-exponent that needs no saturation, `ceil(log2(amax / 448))` (`scale_rule="ceil"`): it picks the
-exponent one higher than "floor" exactly when the block amax scaled by the floor exponent exceeds
-448. Both rules are computed exactly from the fp32 exponent bits (torch.frexp), never through a
-rounded log2, so a block amax just below a power of two never lands on the wrong exponent.
-Exponents are clamped to the E8M0 range [-127, 127]; an all-zero block gets byte 0.
-
-Invariants: values are produced by a saturating round-to-nearest-even cast; dequantize_mxfp8 is
-exact in fp32 (then rounded once to the requested dtype); non-finite inputs are not supported
-(a NaN in a block makes that block's values NaN).
+Invariants: values come from a saturating round-to-nearest-even cast; `dequantize_mxfp8` is exact in
+fp32, then rounded once; exponents are clamped to [-127, 127]; an all-zero block gets byte 0;
+non-finite inputs are not supported (a NaN makes its block NaN).
 """
 
 from __future__ import annotations
@@ -30,6 +16,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+# Scale rules: OCP's shared exponent is floor(log2(amax)) - 8 (E4M3's largest normal, 448, is
+# 1.75 * 2^8), so scaled values lie in [0, 512) and the few above 448 saturate. vLLM's quantizers take
+# the smallest exponent that needs no saturation, ceil(log2(amax / 448)): one higher than "floor"
+# exactly when the block amax scaled by the floor exponent exceeds 448. Both come from torch.frexp,
+# never a rounded log2, so an amax just below a power of two never lands on the wrong exponent.
 
 MXFP8_BLOCK = 32
 """Values per shared scale, along the last dimension."""

@@ -1,44 +1,15 @@
 """NVFP4: the project's one quantization function (E2M1 values, E4M3 block scales, fp32 global).
 
-What: `quantize` turns a float tensor into packed E2M1 codes with one float8_e4m3fn scale per 16
-consecutive values along the last (K) dimension and one fp32 dequant-side global `scale_2`;
-`dequantize` inverts it; `quant_dequant` is the W4A4 activation fake-quant; the `kv_*` functions
-store one row of C values (one token, one head, one side) as C/2 code bytes then C/16 scale bytes
-(72 bytes for C = 128). ModelOpt checkpoint names are produced and parsed by `to_modelopt` /
-`from_modelopt`.
+What: `quantize` / `dequantize` (packed E2M1 codes, one float8_e4m3fn scale per 16 values along K,
+one fp32 dequant-side `scale_2`), `quant_dequant` (W4A4 activation fake-quant), `kv_*` (one KV row of
+C values as C/2 code bytes then C/16 scale bytes: 72 B at C = 128), `to_modelopt` / `from_modelopt`.
+Why one module: the learner must see exactly the weights and KV values the engines serve, so every
+path goes through `_encode`. The definition, bit for bit (vLLM's `ref_nvfp4_quant`), is
+docs/FACTS.md, "NVFP4 format"; the operation order is spelled out above `_rcp` below.
 
-Why one module: the learner must see exactly the base weights and KV values the rollout engine
-serves, so every path (weights, activations, KV, checkpoint conversion) goes through `_encode`.
-
-Numerics (bit-exact with vLLM's pure-torch reference `ref_nvfp4_quant`; FACTS.md section 3). All
-arithmetic is fp32, in this order, for x viewed as blocks x_RBG (R rows, B blocks, G = 16):
-  gs      = 1 / scale_2                               quant-side global, as vLLM derives it from a
-                                                      checkpoint scale (input_global_scale_inv)
-  amax_RB = max |x_RBG|                               (exact in the input dtype)
-  s_RB    = e4m3(clamp(gs * (amax_RB * (1/6)), -448, 448))     round-to-nearest-even cast
-  m_RB    = rcp(float(s_RB) * rcp(gs)),  rcp(v) = 1 / (v + (v == 0) * 1e8)   (s = 0 -> m = 1e-8)
-  v       = clamp(float(x) * m_RB, -6, 6)
-  code    = sign (0x8 iff v < 0, so -0.0 gives +0) | index of the E2M1 magnitude chosen by
-            |v| <= 0.25 -> 0; < 0.75 -> 0.5; <= 1.25 -> 1; < 1.75 -> 1.5; <= 2.5 -> 2; < 3.5 -> 3;
-            <= 5 -> 4; else 6  (round to nearest, ties to the even mantissa)
-  dequant = e2m1(code) * (float(s_RB) * scale_2)     then one cast to the output dtype
-Default global: scale_2 = max(amax(|x|), 1e-8) / 2688 (2688 = 6 * 448). The 1e-8 floor is the one
-vLLM's online NVFP4 quantizer uses; it keeps gs finite, so an all-zero tensor gets
-scale_2 = 1e-8 / 2688 (about 3.7e-12), block scales 0 and codes 0, and dequantizes to exact zeros.
-
-Layouts: `packed` uint8 [..., K/2], LOW nibble = even element; `scales` float8_e4m3fn [..., K/16]
-(linear, unswizzled); `scale_2` fp32, a 0-dim tensor or any shape broadcastable to
-x.shape[:-1] + (1,) (e.g. [E, 1, 1] for a stacked expert bank, one global per expert).
-
-Invariants: deterministic and device-independent, CPU and CUDA byte for byte (tested): only
-correctly rounded fp32 elementwise ops (divisions are tensor / tensor, since CUDA turns a division
-by a Python scalar into a multiply by its reciprocal), maxima, and, for the optional 4-over-6
-choice, an fp64 error sum. NaN/inf inputs and unusable global scales raise ValueError when
-`check_finite` (one host sync per call: hot loops such as the decode step pass
-check_finite=False); a last dimension that is not a positive multiple of 16 raises ValueError.
-
-Shape legend: R rows (all leading dims flattened), K values per row, B = K/16 blocks, G = 16
-values per block, H = K/2 packed bytes, T tokens, N kv heads, C head dim.
+Invariants: deterministic, CPU and CUDA byte for byte (only correctly rounded fp32 elementwise ops,
+maxima and an fp64 error sum for 4-over-6); an all-zero tensor dequantizes to exact zeros; NaN/inf
+input raises when `check_finite` (one host sync: hot loops pass False); K % 16 != 0 raises.
 """
 
 from __future__ import annotations
@@ -76,7 +47,7 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class NVFP4Tensor:
-    """A quantized tensor of logical shape [..., K]; see the module docstring for the layout."""
+    """A quantized tensor of logical shape [..., K]; layout in the notes above `_rcp`."""
 
     packed: torch.Tensor  # uint8 [..., K/2]
     scales: torch.Tensor  # float8_e4m3fn [..., K/16]
@@ -135,6 +106,24 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+# Shape legend: R rows (leading dims flattened), K values per row, B = K/16 blocks, G = 16 values per
+# block, H = K/2 packed bytes, T tokens, N kv heads, C head dim.
+#
+# Numerics, all fp32 and in this order, for x viewed as blocks x_RBG:
+#   gs      = 1 / scale_2            (quant-side global, as vLLM derives it from a checkpoint scale)
+#   amax_RB = max |x_RBG|            (exact in the input dtype)
+#   s_RB    = e4m3(clamp(gs * (amax_RB * (1/6)), -448, 448))      round-to-nearest-even cast
+#   m_RB    = rcp(float(s_RB) * rcp(gs)),  rcp(v) = 1 / (v + (v == 0) * 1e8)   (s = 0 -> m = 1e-8)
+#   v       = clamp(float(x) * m_RB, -6, 6)
+#   code    = sign (0x8 iff v < 0, so -0.0 gives +0) | E2M1 magnitude index, round to nearest with
+#             ties to the even mantissa (thresholds in docs/FACTS.md, "NVFP4 format")
+#   dequant = e2m1(code) * (float(s_RB) * scale_2), then one cast to the output dtype
+# Default global: scale_2 = max(amax(|x|), 1e-8) / 2688 (2688 = 6 * 448; the 1e-8 floor is vLLM's
+# online quantizer's and keeps gs finite, so zeros get block scales 0 and codes 0). Divisions are
+# tensor / tensor: CUDA turns a division by a Python scalar into a multiply by its reciprocal.
+# Layouts: `packed` uint8 [..., K/2], LOW nibble = even element; `scales` float8_e4m3fn [..., K/16]
+# (linear, unswizzled); `scale_2` fp32, 0-dim or broadcastable to x.shape[:-1] + (1,) (e.g.
+# [E, 1, 1] for a stacked expert bank, one global per expert).
 def _rcp(v: torch.Tensor) -> torch.Tensor:
     # vLLM's guarded reciprocal, kept in its exact form (a plain where() would give the same bits,
     # this form also stays CUDA-graph friendly): 1/v, or 1/1e8 where v == 0.
@@ -154,7 +143,7 @@ def _lookup(table: str, idx: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """fp32 scaled values (already clamped to [-6, 6], or not: both give the same codes; v may be
-    overwritten) -> uint8 codes, ties as in the module docstring. One dispatch point, two
+    overwritten) -> uint8 codes, ties as docs/FACTS.md, "NVFP4 format" says. One dispatch point, two
     implementations proven equal by the tests: CUDA runs one binary-search pass (6x faster there
     than the comparison chain), the CPU runs the comparison chain (4x faster there than bucketize).
     """
@@ -528,9 +517,10 @@ def kv_quantize(
     e4m3 scale bytes. Same numerics as quantize(x, global_scale) row by row; global_scale is the
     fp32 dequant-side per-layer-per-side scale (k_scale / v_scale).
 
-    Each row keeps its 72 bytes together (FACTS.md). vLLM's FlashInfer backend instead stores a
-    page side as all code bytes, then all scale bytes (`nvfp4_split_data_scale`); the bytes of a
-    row are the same, only their place in the page differs, which is the paged cache's concern."""
+    Each row keeps its 72 bytes together (docs/FACTS.md, "NVFP4 KV cache"). vLLM's FlashInfer
+    backend instead stores a page side as all code bytes, then all scale bytes
+    (`nvfp4_split_data_scale`); the bytes of a row are the same, only their place in the page
+    differs, which is the paged cache's concern."""
     codes, scales, _ = _encode(x, global_scale, four_over_six, check_finite, "nvfp4.kv_quantize")
     return torch.cat([pack_e2m1(codes), scales.view(torch.uint8)], dim=-1)
 

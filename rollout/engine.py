@@ -1,29 +1,15 @@
-"""The rollout engine protocol and the typed records that cross it (ARCHITECTURE.md section 5).
+"""The rollout engine protocol and the typed records that cross it (docs/ARCHITECTURE.md, engine protocol).
 
 What: `Engine` (generate / set_adapter / stats), `SamplingParams`, `Request`, `Completion`,
-`EngineStats`. Every backend (the native engine in rollout/native, a vLLM wrapper) speaks these
-types, and the trainer only sees them.
-
-Conventions (the trainer relies on them):
-- Log-probabilities. `Completion.logprobs[i]` is log p(token_i | prefix) in fp32 under the model
-  distribution after temperature scaling and *before* top-k / top-p / min-p truncation:
-  log_softmax(logits / T)[token]. Temperature 0 (greedy) reports the unscaled (T = 1)
-  distribution. This is what a GRPO trainer recomputes with `token_logprobs(logits / T)`; at
-  T = 1 without truncation it equals vLLM's "raw_logprobs" mode (vLLM's "processed_logprobs"
-  also renormalises over the truncated support, which the trainer cannot reproduce).
-- Seeds. Sample i of a request with seed s and n samples draws from a generator seeded with
-  s + i (vLLM's rule for n > 1), so `Request(seed=s, n=4)` yields the same four samples as the
-  four requests `Request(seed=s + i, n=1)`. Give GRPO groups seeds at least n apart. A request
-  without a seed gets one from the engine's own seeded generator (reproducible per engine).
-- Stop tokens are kept in `token_ids` (the trainer must score the EOS it sampled); a stop string
-  ends generation after the token that completes it, and that token is kept too.
-- Adapter versions: `adapter_versions[i]` is the version loaded when token i was sampled;
-  `adapter_version` is the first of them (the oldest policy the sample depends on).
-- Images. `Request.images` are the prompt's images (model/vision), in the order their placeholder
-  spans appear in `prompt_token_ids` (model.vision.chat_to_ids_and_images builds both); the
-  engine checks that the placeholder count equals their token count. Image ids (placeholders,
-  vision brackets) are never sampled: that ban is a truncation like top-k, so `logprobs` stay
-  over the full vocabulary, which is what the trainer recomputes.
+`EngineStats`: every backend (rollout/native, the vLLM wrapper) speaks these types and the trainer
+sees only them. Conventions the trainer relies on (reasons in the comment below the imports):
+- `Completion.logprobs[i]` = log_softmax(logits / T)[token_i] in fp32, before top-k / top-p / min-p
+  truncation (greedy reports T = 1);
+- sample i of a request with seed s draws from seed s + i; unseeded requests get seeds from the
+  engine's own seeded generator;
+- stop tokens, and the token completing a stop string, are kept in `token_ids`;
+- `adapter_versions[i]` sampled token i; `adapter_version` is the first (the oldest policy used);
+- `Request.images` come in placeholder order; image ids are never sampled.
 """
 
 from __future__ import annotations
@@ -35,6 +21,17 @@ from typing import Literal, Protocol
 import torch
 
 from model.vision.preprocess import ProcessedImage
+
+# Why these conventions:
+# - Log-probs before truncation are what a GRPO trainer recomputes (`token_logprobs(logits / T)`); at
+#   T = 1 without truncation they equal vLLM's "raw_logprobs" ("processed_logprobs" renormalises over
+#   the truncated support, which the trainer cannot reproduce).
+# - Seeds s + i is vLLM's rule for n > 1: `Request(seed=s, n=4)` yields the same samples as the four
+#   requests `Request(seed=s + i, n=1)`; give GRPO groups seeds at least n apart.
+# - Stop tokens are kept because the trainer must score the EOS it sampled.
+# - Images: model.vision.chat_to_ids_and_images builds ids and images together, and the engine checks
+#   that the placeholder count equals their token count. Banning image ids is a truncation like
+#   top-k, so `logprobs` stay over the full vocabulary.
 
 FinishReason = Literal["stop", "length"]
 

@@ -1,32 +1,22 @@
 """Lightning indexer op: MSA block selection from the paged index-key cache.
 
-What: for T query tokens (flattened varlen: a prefill chunk, decode tokens or verify tokens of
-several sequences), score every causally visible key block of the token's sequence with each
-index head and return the selected blocks [T, N, K] (left-packed, -1 padded).
+What: for T varlen query tokens (prefill chunk, decode or verify tokens of several sequences), score
+every causally visible key block of the token's sequence with each index head and return the selected
+blocks [T, N, K] (left-packed, -1 padded). The rule (docs/FACTS.md, "MSA and the lightning indexer"):
+block score = max raw dot over visible keys; forced blocks first (own block, then the
+`local_blocks - 1` preceding ones nearest first, then init blocks), then highest scores, ties to the
+lower block id; no block repeated. `index_select_blocks_ref` is the torch spec,
+`index_select_blocks_torch` the batched path, `index_select_blocks` validates and dispatches
+(`model.kernels.triton_indexer` on CUDA or under TRITON_INTERPRET=1, torch elsewhere).
 
-Semantics (FACTS section 2, "MSA"):
-- block score (index head h, query t, block b) = max over the keys j of block b with
-  position j <= pos_t of dot(index_q[t, h], index_k[j]): raw dot, no ReLU, no weights, no scale;
-- candidates are blocks 0..pos_t // block_size;
-- forced blocks come first: the local blocks (the query's own block, then the
-  `local_blocks - 1` preceding ones, nearest first), then the init blocks 0..init_blocks-1
-  not already taken; the remaining slots go to the highest scores (ties: lower block id);
-- unused slots are -1; a selection never repeats a block.
-
-`select_blocks` is the pure selection rule on a block-score tensor, shared by this op and by the
-training forward (model/layers/attention.py), so both paths choose identically.
-
-Kernel-module layout: `index_select_blocks_ref` is the torch spec (loops over sequences with a
-host sync, fine for a reference); `index_select_blocks_torch` the batched torch path (CPU);
-`index_select_blocks` validates and dispatches: the Triton kernels of
-`model.kernels.triton_indexer` (paged scores + block max + top-k, index pages dequantized tile by
-tile, no host sync) on CUDA (or under TRITON_INTERPRET=1), the torch path elsewhere.
-
-Legend: T tokens, N index heads (= KV heads), C index head dim, B sequences, P block-table
-width (pages per sequence), S keys of one sequence, NB key blocks, K top-k blocks.
+Invariant: `select_blocks`, the pure rule on a block-score tensor, is shared with the training forward
+(model/layers/attention.py), so training and the engine choose identically.
 """
 
 import torch
+
+# Legend: T tokens, N index heads (= KV heads), C index head dim, B sequences, P block-table width
+# (pages per sequence), S keys of one sequence, NB key blocks, K top-k blocks.
 
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
     from model.kernels.triton_common import triton_available

@@ -1,28 +1,14 @@
 """Routed-expert execution: y = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for every token t.
 
-Why: the MoE layer's hot path. Each expert is w2 @ swigluoai(w1 @ x, w3 @ x) with its weights held
-in the bank's storage format (float, NVFP4 or MXFP8); the bank is frozen during RL, so gradients
-go to the tokens (x) and the routing weights (hence the router) only, and later to per-expert LoRA
-deltas through the bank's `lora` hook.
+Why: the MoE layer's hot path; each expert is w2 @ swigluoai(w1 @ x, w3 @ x) with weights in the
+bank's frozen storage format (float, NVFP4 or MXFP8), so gradients go to x, the routing weights and
+per-expert LoRA (the bank's `lora` hook) only. Dispatch, for an NVFP4 bank with bf16 tokens on CUDA
+(or under TRITON_INTERPRET=1): inference without adapter -> `model.kernels.triton_moe`; gradients or
+an expert adapter -> `model.kernels.triton_moe_train`; everything else the torch path (slots sorted by
+expert, one call per expert group, fp32 scatter-add). `moe_experts_ref` is the spec (a plain loop).
 
-How (inference on CUDA, or under TRITON_INTERPRET=1, for an NVFP4 bank with bf16 tokens, no
-adapter and no grad): the Triton W4A16 grouped kernels of `model.kernels.triton_moe` (fused
-gate/up + swigluoai, then down x router weight; weights decoded in registers, no host sync).
-How (training on CUDA, or under TRITON_INTERPRET=1: gradients needed or an expert adapter attached,
-NVFP4 bank, bf16 tokens): the grouped GEMMs of `model.kernels.triton_moe_train` (forward and
-backward, weights decoded in registers for x W^T and for dy W, ExpertLoRA's stacked factors fused
-into the same kernels, autograd-wired so gradients reach x, the router weights and the adapter).
-How (torch path, everywhere else): token-slots are sorted by expert, each expert runs once on
-its contiguous group (NVFP4 through `nvfp4_linear`, which dequantizes tile by tile), and the
-weighted results are scatter-added back in fp32. `moe_experts_ref` is the spec: a plain loop over
-tokens and slots with whole dequantized weights.
-
-Invariants: both paths use element-for-element the same weights (dequantized to x's dtype); the
-K contributions of a token are accumulated in fp32 and rounded once to x's dtype; the bank's
-frozen storage never receives a gradient.
-
-Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
-token-slots, M tokens of one expert group, I / O a projection's input / output features.
+Invariants: every path uses element-for-element the same weights (dequantized to x's dtype); a token's
+K contributions are accumulated in fp32 and rounded once; the frozen storage never gets a gradient.
 """
 
 from __future__ import annotations
@@ -33,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels.nvfp4_linear import nvfp4_linear
+
+# Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
+# token-slots, M tokens of one expert group, I / O a projection's input / output features.
 
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
     from model.kernels.triton_common import triton_available

@@ -8,7 +8,7 @@ dynamic=False, eager elsewhere). `model.kernels.sparse_attention` dispatches bet
 
 Why kept: issue 10 asks to compare against FlexAttention and keep the faster; the H200 measurement
 and why auto dispatch still prefers Triton (flex recompiles per sequence length) are in
-`model.kernels.sparse_attention`'s docstring and benchmarks/RESULTS.md.
+benchmarks/RESULTS.md ("MSA training kernels v2", "Moved from module docstrings").
 
 Legend: B batch, S sequence, H query heads, N KV heads, C head dim, K selected blocks.
 """

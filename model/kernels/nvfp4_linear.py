@@ -1,25 +1,15 @@
 """W4A16 NVFP4 linear: y = x @ dequant(W).T with W held as packed E2M1 codes + block scales.
 
-Why: the frozen base weights (routed experts above all) stay in NVFP4 in memory, exactly the
-bytes the rollout engine serves; the learner must run forward and backward through them without
-ever materialising the full-precision matrix (for M3 one expert matrix is 3072 x 6144).
+Why: the frozen base weights stay in NVFP4 in memory, exactly the bytes the engines serve, and the
+learner runs forward and backward through them without materialising the full-precision matrix.
+CUDA inference (bf16 rows <= TRITON_MAX_ROWS, no grad) runs the Triton GEMV of
+`model.kernels.triton_gemv`; everywhere else W is dequantized one tile of TILE_N output rows at a time
+(`model.nvfp4.dequantize`, cast to x's dtype), multiplied and dropped, the backward recomputing the
+same tiles. `nvfp4_linear_ref` is the spec (dequantize all of W, one matmul).
 
-How (CUDA inference, bf16 rows <= TRITON_MAX_ROWS, no grad): the Triton W4A16 GEMV of
-`model.kernels.triton_gemv` (one launch; fp32 products with the unrounded weights at <= 4 rows, the
-bf16 weights below otherwise: equal to the reference up to bf16 rounding).
-How (reference path, runs everywhere else): the weight is dequantized one tile of TILE_N output rows
-at a time (fp32 dequant by `model.nvfp4.dequantize`, the one format definition, then cast to x's
-dtype), multiplied, and dropped before the next tile; the backward recomputes the same tiles.
-`nvfp4_linear_ref` is the spec: dequantize all of W, one matmul.
-
-Invariants: gradients flow only to x (the packed codes, block scales and scale_2 never get a
-grad); the forward of the tiled path uses, element for element, the same weight values as
-`nvfp4_linear_ref` (tiling only splits the output columns, so each output element is the same
-K-reduction); the matmul runs in x's dtype, the result is cast to `out_dtype` (default x's).
-
-Legend: T tokens (any leading dims are flattened), K input features (multiple of 16), N output
-features; `packed_NK2` uint8 [N, K/2] (low nibble = even element), `scales_NK16`
-float8_e4m3fn [N, K/16], `scale_2` fp32 scalar (dequant-side global scale, amax / 2688).
+Invariants: gradients flow only to x; the tiled path uses element for element the weights of
+`nvfp4_linear_ref` (tiling only splits output columns); the matmul runs in x's dtype, the result is
+cast to `out_dtype` (default x's); the Triton path equals the reference up to bf16 weight rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from model.nvfp4 import NVFP4Tensor, dequantize
+
+# Legend: T tokens (leading dims flattened), K input features (multiple of 16), N output features;
+# `packed_NK2` uint8 [N, K/2] (low nibble = even element), `scales_NK16` float8_e4m3fn [N, K/16],
+# `scale_2` fp32 scalar (dequant-side global scale, amax / 2688).
 
 try:  # Triton is optional on CPU machines
     from model.kernels.triton_gemv import nvfp4_linear_triton

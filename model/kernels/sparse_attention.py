@@ -1,43 +1,15 @@
 """Paged block-sparse attention op (MSA), dense causal attention as its special case.
 
-What: T varlen query tokens (prefill chunk, decode or verify tokens of several sequences), each
-attending to its own sequence's cached keys at positions <= its own position, restricted to the
-KV group's selected blocks when `selected_TNK` is given. `selected_TNK=None` selects every block:
-that is the full-attention layers' op (no separate dense kernel, no duplicated code).
+What: T varlen query tokens (prefill, decode or verify tokens of several sequences), each attending to
+its own sequence's cached keys at positions <= its own within its KV group's selected blocks
+(`selected_TNK=None`: every block, the full-attention layers' op). `sparse_attention_ref` is the spec,
+`sparse_attention_torch` the batched path, `sparse_attention` validates and dispatches (Triton on CUDA
+or under TRITON_INTERPRET=1, torch elsewhere and for fp32 caches). The training twins
+(`sparse_attention_train_ref` / `_train`) pick `backend=`, else MSA_TRAIN_BACKEND, else the measured
+`AUTO_TRAIN_BACKEND`; an optional KV simulation rounds K/V as the cache does (straight-through).
 
-Numerics: K/V pages are dequantized (fp8 / NVFP4 -> fp32) exactly as `model.kv_cache` defines;
-scores, softmax and the P.V product run in fp32; the output has q's dtype. A query with no
-allowed key (only possible with index_local_blocks = 0) gets a zero output.
-
-Kernel-module layout: `sparse_attention_ref` is the torch spec (gathers each sequence's pages,
-one host sync per call to loop over sequences); `sparse_attention_torch` the batched torch path;
-`sparse_attention` validates and dispatches: on CUDA (or under TRITON_INTERPRET=1) the Triton
-kernel of `model.kernels.triton_sparse_attention` (only the selected pages read, dequantized tile
-by tile; FP8 dots for FP8 / NVFP4 caches, bf16 dots for bf16; split over blocks with an LSE merge),
-elsewhere (and for fp32 caches) the torch path. The FP8 path rounds q and P to e4m3: its output
-differs from this module's fp32 numerics by FP8 rounding (see that module).
-
-Training (full sequences, no cache): `sparse_attention_train_ref` is the spec of the learner's MSA
-attention over [B, S] rows (padding / packed sequences through `seq_ids`, selection per (row, KV
-group, token) from the indexer); `sparse_attention_train` dispatches it: the Triton forward/backward
-of `model.kernels.triton_msa_train` or its FlexAttention twin on CUDA (the Triton kernels under
-TRITON_INTERPRET=1 too), the dense-mask reference elsewhere. An optional KV simulation rounds K/V as
-the cache would store them, straight-through (identity gradient).
-
-Backend choice (issue 10: "keep whichever is faster, measured"): `backend=` wins, else the
-environment variable MSA_TRAIN_BACKEND (auto | triton | flex | torch), else "auto": on CUDA
-`AUTO_TRAIN_BACKEND[(needs grad, G >= 16)]`, a table of the faster kernel per regime as measured
-side by side by `benchmarks/training_kernels.py --attn` (B = 1, 16K-32K tokens, top-16 of 128-token
-blocks). From the H200 run of session 3 (RESULTS.md, Triton v2 vs flex with full blocks): forward only,
-Triton is faster at every shape (4.96 vs 6.96 ms at M3 16K, 8.06 vs 12.48 at 32K, 2.71 vs 3.84 at
-G = 2); forward + backward at G = 16 flex is 2-7% faster (16.62 vs 16.92 ms at 16K, 28.94 vs 30.97 at
-32K) but is compiled per sequence length (dynamic=False), and a learner's packed lengths vary: each
-new length recompiles, and past torch's recompile limit flex falls back to an eager path that builds
-the full score matrix (out of memory at 16K). Within 7%, auto keeps Triton everywhere;
-MSA_TRAIN_BACKEND=flex opts in for fixed-length batches. Update the table from each new run.
-
-Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
-width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
+Invariants: pages dequantized exactly as `model.kv_cache` defines; fp32 scores, softmax and P.V; output
+in q's dtype; a query with no allowed key gets zeros (the Triton FP8 path rounds q and P to e4m3).
 """
 
 import os
@@ -64,14 +36,18 @@ from model.kv_cache import (
     kv_quant_dequant,
 )
 
+# Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
+# width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
 TrainBackend = Literal["auto", "triton", "flex", "torch"]
 TRAIN_BACKENDS = ("auto", "triton", "flex", "torch")
-# (needs grad, G >= 16) -> the measured-faster kernel on CUDA (module docstring: which run).
+# (needs grad, G >= 16) -> the measured-faster kernel on CUDA: `benchmarks/training_kernels.py --attn`
+# (B = 1, 16K-32K tokens, top-16 of 128-token blocks); which run and why: benchmarks/RESULTS.md,
+# "MSA training kernels v2" and "Moved from module docstrings". Update it from each new run.
 AUTO_TRAIN_BACKEND: dict[tuple[bool, bool], TrainBackend] = {
     (False, False): "triton",
     (False, True): "triton",
     (True, False): "triton",
-    (True, True): "triton",  # flex measured 2-7% faster, but recompiles per length (docstring)
+    (True, True): "triton",  # flex 2-7% faster, but recompiles per length
 }
 
 

@@ -1,29 +1,15 @@
 """Shared Triton device helpers for the decode kernels: E2M1 decode and round-to-nearest-even casts.
 
 Why a module of its own: the KV append, indexer, sparse-attention and MoE kernels all decode E2M1
-nibbles and round fp32 to E4M3 / bf16, and every one of them must do it the same way, bit for bit,
-as `model.nvfp4` (FACTS sections 3 and 6).
+nibbles and round fp32 to E4M3 / bf16, and each must do it as `model.nvfp4` does, bit for bit. E2M1
+decodes without tables by the bit trick of docs/FACTS.md, "Kernel facts" (callers fold 2^6 into the
+block scale); `load_nvfp4_tile_f16` (v3) and `load_nvfp4_tile_f16_v5` (v5, a flat row * 8 + block
+index so a warp's word loads cover whole rows) decode 16-value blocks in inline PTX.
 
-Two implementations of each rounding cast, chosen by the constexpr `HW`:
-- HW=True (compiled for a GPU): the hardware conversion (`cvt.rn.satfinite` on sm_90), which is
-  round-to-nearest-even, exactly torch's `.to(torch.float8_e4m3fn)` / `.to(torch.bfloat16)`;
-- HW=False (the CPU interpreter, `TRITON_INTERPRET=1`): integer bit manipulation. Triton 3.9's
-  interpreter rounds half away from zero, drops the carry of a rounded-up mantissa when the exponent
-  is odd, and truncates subnormals, so its own casts are not RNE; the integer versions are.
-Both are correct RNE; the tests check the software ones bit-exactly against torch on the CPU and the
-hardware ones on the GPU (gpu-marked test).
-
-E2M1 -> float without tables (FACTS 6): the byte ((q & 0x8) << 4) | ((q & 0x7) << 2) read as
-float8_e4m3fn is e2m1(q) * 2^-6 for all 16 codes; callers fold the 2^6 into their block scale.
-
-v3 decode (`load_nvfp4_tile_f16`, used by the indexer and attention kernels' `variant="v3"`): the
-same identity applied to four nibbles per 32-bit operation inside one inline-PTX block per 16-value
-scale block, then packed e4m3x2 -> f16x2 converts and f16x2 scale multiplies; elementwise asm
-(pack = 1) plus a tl.join tree, so correctness does not depend on Triton's register layouts. The
-interpreter runs a plain-Triton twin giving the same values (tests compare both with `model.nvfp4`).
-
-v5 decode (`load_nvfp4_tile_f16_v5`, `variant="v5"`): the same block decode over a 1-D flat index
-row * 8 + block, so that a warp's word loads cover whole rows (see its docstring for the why).
+Invariants: every rounding cast is round-to-nearest-even in both implementations chosen by the
+constexpr `HW` (the hardware `cvt.rn.satfinite` when compiled for a GPU; integer bit manipulation in
+the interpreter, whose own casts are not RNE); tests check the software casts against torch on CPU,
+the hardware ones on GPU, and both tile decodes against `model.nvfp4`.
 """
 
 import os
@@ -32,6 +18,13 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+
+# Why software casts under TRITON_INTERPRET=1: Triton 3.9's interpreter rounds half away from zero,
+# drops the carry of a rounded-up mantissa when the exponent is odd and truncates subnormals.
+# v3 tile decode: the E2M1 -> E4M3 identity applied to four nibbles per 32-bit operation inside one
+# inline-PTX block per 16-value scale block, then packed e4m3x2 -> f16x2 converts and f16x2 scale
+# multiplies; elementwise asm (pack = 1) plus a tl.join tree, so correctness does not depend on
+# Triton's register layouts. The interpreter runs a plain-Triton twin giving the same values.
 
 E2M1_FP8_SHIFT: tl.constexpr = tl.constexpr(64.0)
 """e2m1(q) = fp8_bits(q) * 2^6: the factor folded into block scales by every E2M1 decode."""
@@ -222,7 +215,7 @@ def e2m1_nibble_f32_x2p126(w, NIB: tl.constexpr):
 # inline-PTX block per scale block, SIMD within 32-bit registers, per code word w:
 #   e4m3 bytes of elements 0, 2, 4, 6:  ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
 #   e4m3 bytes of elements 1, 3, 5, 7:  ( w       & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
-# (FACTS 6: those bytes are e2m1 * 2^-6), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
+# (e2m1 * 2^-6: docs/FACTS.md, "Kernel facts"), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
 # then cvt.rn.f16x2.e4m3x2 and one mul.rn.f16x2 by (64 s, 64 s) per pair of adjacent elements:
 # ~2 instructions per value where the byte-wise decode takes ~13 (compile report). The asm is
 # elementwise (pack = 1) over [rows, blocks] tensors, so its result does not depend on Triton's

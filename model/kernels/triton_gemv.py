@@ -1,25 +1,15 @@
 """Triton W4A16 decode GEMV (v3): one NVFP4 matrix times <= 4 bf16 rows, split-K on FMA units.
 
-Why: a decode step multiplies each dense NVFP4 weight (the shared expert, any NVFP4 linear) by 1-4
-rows. The tensor core's smallest M is 16, so the MoE module's tile kernel (model/kernels/triton_moe.py)
-spends most of its instructions preparing operands for one useful multiply; here the weights are
-decoded straight into fp32 FMAs and the K dimension is split so a 6144-row matrix fills every SM.
+Why: a decode step multiplies each dense NVFP4 weight by 1-4 rows, and the tensor core's smallest M
+is 16, so the tile kernel of model/kernels/triton_moe.py spends most of its instructions preparing
+operands for one useful multiply. Here int32 weight words are decoded straight into fp32 FMAs (three
+integer ops per weight, block scale per 16 products) and K is split so a 6144-row matrix fills every
+SM. `nvfp4_linear_triton(..., variant=)`: "v3" for T <= GEMV_MAX_ROWS (the tile kernel above), "v2"
+the tile kernel always, "v4" v3 with a next-K-step prefetch (both measured no faster, kept opt-in).
 
-What: `nvfp4_linear_triton(x, packed, scales, scale_2, variant=)`, the one entry point:
-variant "v3" runs `_w4a16_gemv_kernel` for T <= GEMV_MAX_ROWS rows and the tile kernel (LINEAR mode
-of `model.kernels.triton_moe`) above that; "v2" runs the tile kernel for every T (kept so the
-benchmark times both in one process); "v4" is v3 with PREFETCH (the next K step's weights loaded
-before the current step's FMAs), its own autotuned configurations. The kernel: grid (N / BN,
-SPLIT_K), int32 weight words decoded by three integer ops per weight into fp32
-(`e2m1_nibble_f32_x2p126`), one FFMA per weight and row, block scales applied per 16 products,
-the K splits reduced in the same launch by the last-arriving program (tile counters,
-deterministic split order; no host sync, CUDA-graph safe).
-
-Invariants: every launch leaves its tile counters at 0; the result is the unrounded-weight product
-(the reference rounds weights to bf16 first: < 2^-8 relative per weight). Measured on the H200
-(benchmarks/RESULTS.md, v3): 20.5 us at 6144 x 6144, 1 row = torch bf16's time, 2.63x the v2 tile.
-
-Legend: T rows, N output features, K input features, BN / BK tile sizes, MR rows per program.
+Invariants: no host sync (CUDA-graph safe); splits reduced in the launch by the last-arriving program
+in split order (deterministic), every launch leaving its tile counters at 0; the result is the
+unrounded-weight product (the reference rounds weights to bf16 first: < 2^-8 relative per weight).
 """
 
 from typing import Literal
@@ -30,6 +20,9 @@ import triton.language as tl
 
 from model.kernels.triton_common import e2m1_nibble_f32_x2p126, f32_to_bf16, safe_do_bench, use_hw_casts
 from model.kernels.triton_moe import _launch, _parts, split_planes
+
+# Legend: T rows, N output features, K input features, BN / BK tile sizes, MR rows per program.
+# `_w4a16_gemv_kernel`: grid (N / BN, SPLIT_K); weights decoded by `e2m1_nibble_f32_x2p126`.
 
 GemvVariant = Literal["v4", "v3", "v2"]
 """v4: v3 with the next weight tile prefetched (PREFETCH); v3: split-K FMA GEMV for T <= GEMV_MAX_ROWS;

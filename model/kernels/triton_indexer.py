@@ -1,51 +1,15 @@
 """Triton lightning-indexer decode: paged block-max QK scores, then top-k block selection.
 
-Why: the indexer reads every cached index key of every request at every decode step (128 values per
-token per sparse layer), so it is bound by HBM bytes: an NVFP4 index cache (72 B/token) moves 1.78x
-fewer bytes than FP8 (128 B) and 3.56x fewer than bf16. The torch path gathers, dequantizes to
-fp32 and materialises [T, N, S] scores; here keys are read once, dequantized in registers and only
-per-block maxima leave the chip.
+Why: the indexer reads every cached index key at every decode step, so it is bound by HBM bytes
+(NVFP4 keys are 72 B/token against FP8's 128 B). Keys are read once per query row (all index heads
+together), dequantized in registers, and only per-block maxima leave the chip; the context is split
+over programs so that batch 1 still fills the GPU. `variant=` picks v3 (default: word-wise NVFP4
+decode to fp16, one fp16 dot per page), v2 (byte-wise, bf16 dot), v4 (several pages per
+iteration) or v5 (coalesced word loads); v2, v4, v5 were measured slower or level and stay opt-in.
 
-Kernels (semantics: `model.kernels.indexer`, FACTS 2 "MSA"):
-1. `_index_scores_kernel`, grid (T, SPLITS): query row t (all N index heads at once, so each key is
-   read once per row) walks its blocks [split * BPS, ...) up to its own block pos // page; per page a
-   [N, C] x [C, page] dot, keys after pos masked, max over the page -> scores [T, N, P] (fp32).
-   SPLITS is chosen so T * SPLITS covers ~4 waves of the GPU's SMs: at batch 1 the context itself
-   is split (1024 blocks of a 128K context over ~512 programs).
-2. `_index_topk_kernel`, grid (T, N): forced blocks first (the local blocks nearest first, then the
-   init blocks), then `topk - forced` rounds of argmax (ties to the lower block id), -1 padding.
-
-Versions (`variant=`): v3 (default) decodes NVFP4 keys (head dim 128, bf16 queries) word-wise
-straight to fp16 e2m1 * block_scale (`triton_common.load_nvfp4_tile_f16`), queries scaled per row by
-a power of two into fp16 range, one fp16 dot per page, and compiled launches of decode size pick
-warps / pipeline depth by timing. Offline sm_90 SASS of the page loop (benchmarks/
-kernel_compile_report.py, 4 warps): 4.1-4.3 instructions per key value, v2 20.3 (12.5 where Triton
-could assume 16-byte aligned rows; the 72-byte rows are not), FP8 keys 4.3. v2 is the byte-wise
-decode with a bf16 dot and one fixed configuration, kept to be timed beside v3.
-v4 (`_index_scores_v4_kernel`, NVFP4 keys at C = 128 with bf16 queries; other formats run v3): the
-compile report shows v3 latency-bound by construction, not by instructions: the software pipeliner
-gives its page loop one buffer (the block-table -> page indirection takes a stage), so each program
-has one 9 KB page in flight and waits for it before decoding; at 4 programs per SM (46 KB of shared
-memory each, 32 KB of it the fp16 tile staged for the dot) that is 36 KB per SM against FP8's 64 KB
-(16 KB pages) and bf16's 128 KB, the same order as their measured bandwidths (23%, 65%, 80% of the
-roofline). v4 reads PPI pages per iteration as one tile (per-row page bases) and is tuned over
-configurations that double- or triple-buffer pages (`V4_CONFIGS`, `V4_CONFIGS_WHY`): 72-81 KB per SM.
-v5 (opt-in until measured): v3's kernel with the keys read by `load_nvfp4_tile_f16_v5`. ncu on the
-H200 (Triton 3.6) showed v3 bound by L1 traffic, not HBM (DRAM 20%, L1/TEX 79%): its code words came
-out one thread per 72-byte row (8 x LDG.E.64, 8 of 32 sector bytes used) and its tile reached shared
-memory in 2-byte stores. v5 hangs the load on one flat block index (a warp reads 4 whole rows per
-instruction) with the pointer contiguity capped at one int64, which is what keeps Triton from handing
-a thread a whole row; bit for bit v3's scores (tested).
-
-Numerics: NVFP4 keys are dequantized to e2m1 * block_scale (exact in bf16 and fp16) with the
-global scale applied to the score (after the block max: the scale is positive); FP8 keys to their
-e4m3 value (exact in bf16) times the scale; bf16 keys as stored. bf16 queries use a bf16 dot (v3
-NVFP4: fp16, queries exact above 2^-31 of their row's amax) with fp32 accumulation (every product
-exact); fp32 / fp16 queries or an fp32 cache use an IEEE fp32 dot. Scores equal the reference's up
-to fp32 summation order; selections equal it except at exact near-ties (tested on random data).
-
-Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
-blocks), K top-k blocks, BPS blocks per split.
+Invariants: semantics are `model.kernels.indexer`'s (docs/FACTS.md, "MSA and the lightning
+indexer"); scores equal the reference's up to fp32 summation order, selections equal it except at
+exact near-ties; v5's scores are v3's bit for bit. History: benchmarks/RESULTS.md.
 """
 
 from typing import Literal
@@ -104,6 +68,21 @@ def _q_to_f16(q_nc):
     return (q_nc * mul_n[:, None]).to(tl.float16), inv_n
 
 
+# Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
+# blocks), K top-k blocks, BPS blocks per split.
+#
+# `_index_scores_kernel`, grid (T, SPLITS): query row t (all N heads, so each key is read once per
+# row) walks its blocks [split * BPS, ...) up to its own block pos // page; per page an [N, C] x
+# [C, page] dot, keys after pos masked, max over the page -> scores [T, N, P] fp32. SPLITS makes
+# T * SPLITS cover ~4 waves of SMs. `_index_topk_kernel`, grid (T, N): forced blocks first (local
+# ones nearest first, then init blocks), then `topk - forced` rounds of argmax (ties to the lower
+# block id), -1 padding.
+#
+# Numerics: NVFP4 keys become e2m1 * block_scale (exact in bf16 and fp16) and the global scale
+# multiplies the score after the block max (it is positive); FP8 keys their e4m3 value times the
+# scale; bf16 keys as stored. bf16 queries use a bf16 dot (v3 NVFP4: fp16, queries scaled per row by
+# a power of two, exact above 2^-31 of the row's amax) with fp32 accumulation; fp32 / fp16 queries
+# or an fp32 cache use an IEEE fp32 dot.
 @triton.jit
 def _index_scores_kernel(
     q_ptr, stride_qt, stride_qn,

@@ -2,21 +2,12 @@
 
 Why: the torch path (`model.kv_cache.quantize_kv` + an index_put) runs ~25 elementwise kernels and a
 scatter per side per layer on the decode hot path; this is one launch per side that reads each new
-value once and writes its 72 bytes (C = 128) in place.
+value once and writes its 72 bytes (C = 128) in place. One program quantizes one (token, head) row as
+C/16 blocks of 16, in fp32 and in `model.nvfp4`'s operation order (docs/FACTS.md, "NVFP4 format"),
+with correctly rounded divisions (`div_rn`). The 4-over-6 writer stays on the torch path.
 
-What one program does: one (token, head) row of C values, viewed as C/16 blocks of 16. It computes,
-in fp32 and in exactly `model.nvfp4`'s order (FACTS 3):
-  gs = 1 / scale_2;  s = e4m3(clamp(gs * (amax16 * (1/6)), -448, 448));
-  m = rcp(float(s) * rcp(gs)), rcp(v) = 1 / (v + (v == 0) * 1e8);  code = E2M1_rne(clamp(x * m, -6, 6)),
-packs codes two per byte (low nibble = even element), and stores C/2 code bytes then C/16 scale
-bytes at the row's slot. Divisions are correctly rounded (`div_rn`): the bytes equal
-`nvfp4.kv_quantize` exactly (tested). The 4-over-6 writer is not implemented here (torch path).
-
-Addressing: slot -> (page = slot // page_size, offset = slot % page_size); the row of head n lives at
-page * stride_page + (n * head_mul + head_add) * stride_head + offset * stride_off, which covers the
-main K/V pages [P, 2N, page, X] (head_mul 2, head_add = side) and index pages [P, page, X] (N = 1).
-
-Legend: T tokens, N heads, C head dim (multiple of 16), X = C/2 + C/16 stored bytes per row.
+Invariant: the stored bytes equal `nvfp4.kv_quantize` exactly (tested): C/2 code bytes (low nibble =
+even element) then C/16 scale bytes at the row's slot.
 """
 
 import torch
@@ -25,6 +16,11 @@ import triton.language as tl
 
 from model import nvfp4
 from model.kernels.triton_common import f32_to_e4m3, use_hw_casts
+
+# Legend: T tokens, N heads, C head dim (multiple of 16), X = C/2 + C/16 stored bytes per row.
+# Addressing: slot -> (page = slot // page_size, offset = slot % page_size); head n's row lives at
+# page * stride_page + (n * head_mul + head_add) * stride_head + offset * stride_off, which covers the
+# main K/V pages [P, 2N, page, X] (head_mul 2, head_add = side) and index pages [P, page, X] (N = 1).
 
 
 @triton.jit
@@ -78,7 +74,7 @@ def _e2m1_code(v):
     """fp32 scaled values -> int32 E2M1 codes: clamp to +-6, ties to the even mantissa, sign iff v < 0."""
     v = tl.minimum(tl.maximum(v, -6.0), 6.0)
     a = tl.abs(v)
-    # Alternating strict / non-strict bounds = round to nearest, ties to even (FACTS 3).
+    # Alternating strict / non-strict bounds = round to nearest, ties to even (docs/FACTS.md, "NVFP4 format").
     idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
     idx += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
     idx += (a > 5.0).to(tl.int32)

@@ -1,42 +1,16 @@
 """Triton NVFP4 MoE decode: W4A16 grouped GEMV/GEMM, fused gate/up + swigluoai, then down x router weight.
 
-Why: at decode a layer's routed experts are nearly all touched (batch 64, top-4 of 128 experts:
-~2 tokens per expert), so the layer streams every expert's weights once per step; NVFP4 (0.5625
-B/value) moves 3.56x fewer bytes than bf16 if the weights are decoded in registers and never
-written back. The torch path dequantizes each expert's weights to bf16 in memory first.
+Why: at decode nearly every routed expert is touched, so a layer streams every expert's weights once
+per step; NVFP4 moves 3.56x fewer bytes than bf16 if the weights are decoded in registers and never
+written back (the torch path dequantizes to bf16 in memory first). Token-slots are grouped by expert
+on device (`_group_by_expert`) into BM-row blocks, one [BM, BN] tile per program, bf16 tensor-core
+dots. Also the one-matrix LINEAR path (`nvfp4_linear_triton`, the shared expert `nvfp4_mlp_triton`)
+above the <= 4-row GEMV of `model.kernels.triton_gemv`; decode-sized routed batches take the FMA
+kernel of `model.kernels.triton_moe_gemv` (`variant="v6"`, the default).
 
-Layout (built on device by `_group_by_expert`, no host sync): the T*K token-slots sorted by expert,
-each expert's group padded to a multiple of BM rows; `rows` [MB * BM] holds the slot of every padded
-row (-1 = padding) and `block_expert` [MB] the expert of every BM-row block (-1 = unused block;
-MB = S // BM + min(S, E) bounds the blocks any routing can need).
-
-Kernel `_nvfp4_moe_kernel`, grid (MB, N / BN), one [BM, BN] output tile per program, K in BK steps.
-Two weight decodes, both giving bf16(e2m1 * (float(s) * scale_2)): the exact weights `nvfp4_linear`
-/ `ExpertBank.dequantized` multiply with (FACTS 3 and 6; no lookup table); fp32 accumulation:
-- PLANES=0 (v1): packed bytes [BN, BK/16, 8] and e4m3 scales in stored order, low / high nibbles
-  decoded through the fp8 bit trick and interleaved by join + reshape; x tile [BM, BK]; one bf16
-  tensor-core dot per K step. Needs BK | in.
-- PLANES=1 (v2): int32 words [BN, BK / 8] (nibble i = element 8 * word + i) decoded into 8 planes
-  (plane i = elements 8 * word + i) through an fp16 bit pattern worth e2m1 * 2^-14; the x tile is
-  split into the same planes; 8 bf16 dots of K = BK / 8 per step; K tails masked.
-Compiled launches of decode-sized matrices time both decodes and several BN / warps / pipeline
-depths per shape on first use (autotune); elsewhere (interpreter, small shapes) PLANES=0 unless in
-is not a multiple of 128. Measured on the H200 (RESULTS.md, v2): the plane decode was 1.6x slower
-than v1's on the routed layer (8 shared-memory operand round trips per K step instead of 1).
-FUSE_GLU: w1 and w3 tiles share the x tile; epilogue act = swigluoai(bf16(gate), bf16(up)) -> bf16
-rows of `act` (padded order). Routed down pass: y = bf16(acc) * router weight (fp32) stored at the
-slot's row; the K slots of a token are summed by the caller in fp32. LINEAR: one weight matrix, rows
-in order, bf16 output, no grouping tensors at all (`nvfp4_linear_triton` is a single launch; v1 ran
-`_group_by_expert` for it, whose CUDA bincount synchronised with the host on every call, so v1's
-6144 x 6144 GEMV measured 867 us of mostly host launch gaps).
-
-The shared expert (`nvfp4_mlp_triton`) runs as two LINEAR launches (fused gate/up, then down).
-
-The one-matrix decode GEMV (<= 4 rows) is `model.kernels.triton_gemv` (v3); it falls back to
-this module's LINEAR tile kernel above that.
-
-Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
-BM/BN/BK tile sizes (rows, output features, reduction).
+Invariants: no host sync; the weights multiplied are exactly bf16(e2m1 * (float(s) * scale_2)), as
+`nvfp4_linear` / `ExpertBank.dequantized` (both decodes; no lookup table); fp32 accumulation; the
+caller sums a token's K slots in fp32 and rounds once. History: benchmarks/RESULTS.md.
 """
 
 from typing import Literal
@@ -157,6 +131,24 @@ def _tile_dot_bytes(acc, x_rows, is_row, w_rows, s_rows, sc2, k0, BK: tl.constex
     return acc + dot_bf16(x_mk, tl.trans(w_nk), HW)
 
 
+# Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
+# BM/BN/BK tile sizes (rows, output features, reduction).
+#
+# Grouping (`_group_by_expert`): the T*K slots sorted by expert, each group padded to a multiple of
+# BM rows; `rows` [MB * BM] holds every padded row's slot (-1 = padding), `block_expert` [MB] every
+# block's expert (-1 = unused; MB = S // BM + min(S, E) bounds what any routing needs).
+# `_nvfp4_moe_kernel`, grid (MB, N / BN), K in BK steps, two weight decodes:
+# - PLANES=0 (v1): packed bytes [BN, BK/16, 8] and e4m3 scales in stored order, nibbles decoded by the
+#   fp8 bit trick (docs/FACTS.md, "Kernel facts") and interleaved by join + reshape; one bf16 dot per
+#   K step. Needs BK | in.
+# - PLANES=1 (v2): int32 words [BN, BK / 8] decoded into 8 planes (plane i = elements 8 * word + i)
+#   through an fp16 bit pattern worth e2m1 * 2^-14; x split into the same planes; 8 bf16 dots of
+#   K = BK / 8 per step; K tails masked.
+# Compiled decode-sized launches autotune both decodes and BN / warps / stages per shape; elsewhere
+# (interpreter, small shapes) PLANES=0 unless in is not a multiple of 128. FUSE_GLU: w1 and w3 tiles
+# share the x tile; epilogue act = swigluoai(bf16(gate), bf16(up)) -> bf16 rows of `act` (padded
+# order). Routed down: y = bf16(acc) * router weight (fp32) at the slot's row. LINEAR: one matrix,
+# rows in order, bf16 output, no grouping tensors (a single launch).
 @triton.jit
 def _nvfp4_moe_kernel(
     x_ptr, stride_xm,

@@ -1,50 +1,16 @@
 """Triton NVFP4 MoE decode on FMA units (v6): the routed experts as grouped split-K GEMVs of <= 4 rows.
 
-Why: at decode each routed expert sees ~2 token-slots (T = 64, top-4 of 128 experts). The tile kernel
-of `model.kernels.triton_moe` pads every expert group to 16 rows (the smallest tensor-core M), so 14
-of 16 rows are padding and the H200 ran the routed path at 13% of the copy roofline. v3's one-matrix
-GEMV (`model.kernels.triton_gemv`) showed the alternative: decode the weights straight into fp32 FMAs
-(2.6x the tile kernel at one row). This module groups that GEMV over experts.
-
 What: `moe_nvfp4_gemv(x, ids, weights, w1, w3, w2, ...)` = sum_k w[t, k] * expert_{ids[t, k]}(x[t]),
-the same op and calling convention as `moe_nvfp4_triton` (its `variant="v6"` calls this). Slots are
-grouped by `triton_moe._group_by_expert` into blocks of RB = 4 rows (`ROW_BLOCK`) of one expert
-(`rows` [MB * RB] slot or -1, `block_expert` [MB] expert or -1; no host sync). Two launches of
-`_moe_gemv_kernel`, grid (MB, N / BN, SPLIT_K):
-- GLU (gate/up fused): a program gathers its block's x rows (token = slot // K), streams the w1 and w3
-  words of its expert over its K range (one pass, x rows shared), and, once the K splits are summed,
-  stores act = bf16(swigluoai(bf16(gate), bf16(up))) at the rows' padded positions (the tile kernel's
-  FUSE_GLU epilogue);
-- down: act rows (padded order) x w2 -> y[slot] = bf16(acc) * router weight (fp32), the tile kernel's
-  routed down convention; the caller sums the K slots of a token in fp32 and rounds once to bf16.
-Per K step a program loads [BN, BK / 8] int32 words (+ BK / 16 scale bytes per row) of each matrix,
-decodes each nibble once with three integer ops (`e2m1_nibble_f32_x2p126`: planes outer, rows inner,
-so one decoded plane is live at a time), one FFMA per weight and row, block scale per 16 products;
-the K splits of a tile are reduced in the same launch by the program that draws the last ticket of
-the tile's counter (`triton_gemv.split_counters`; the CUTLASS serial split-K pattern, as
-`triton_gemv._store_split`), in split order (deterministic).
+the op and calling convention of `moe_nvfp4_triton` (its `variant="v6"` calls this for decode-sized
+batches). Why: at decode each expert sees ~2 slots, and the tile kernel pads every expert to 16 rows
+(the smallest tensor-core M); here slots are grouped into blocks of RB = 4 rows per expert and the
+weights are decoded straight into fp32 FMAs (`model.kernels.triton_gemv`'s method), padding rows
+never loaded or multiplied. Two launches: fused gate/up + swigluoai, then down x router weight.
 
-Why RB = 4 (measurement-free): each block of an expert streams the expert's whole weights, so RB sets
-the weight bytes read. At T = 64 an expert's slot count is Binomial(64, 1/32) (mean 2): 1.06 blocks
-per active expert at RB = 4, 1.43 at RB = 2 (35% more bytes), 1.00 at RB = 8 (for twice the per-row
-accumulators). The FMA work follows the real rows, not RB: the K loop is specialised on the block's
-valid-row count (1, 2, 3 or 4, a runtime branch uniform per program, one compiled loop each; padding
-rows are never loaded or multiplied; blocks at T = 64: 33% of 1 row, 31% of 2, 20% of 3, 15% of 4).
-The 3- and 4-row loops take their own, narrower K step (BK34), because the kernel's one register
-allocation is its largest loop's (CONFIGS_WHY). Above RB slots per expert on average (`use_moe_gemv`:
-prefill-sized batches) blocks re-read the weights and the tile kernel wins: the v6 dispatch keeps
-the tile kernel there.
-
-Invariants: every launch leaves its tile counters at 0 and writes every valid act row and every y row
-(every slot belongs to one block); unused blocks (expert -1) return at once; no host sync. Numerics
-(as triton_gemv's): fp32 products of x with e2m1 (exact), summed per 16-block, times float(s), summed
-in fp32, times scale_2: the unrounded weights, where `moe_experts_ref` / the tile kernel multiply by
-bf16(e2m1 * s * scale_2) (differs by < 2^-8 relative per weight); gate, up, act and y are rounded to
-bf16 where the tile kernel rounds them (tests: tests/model/test_kernels_moe_gemv.py, tolerances there).
-
-Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
-RB rows per block, MR valid rows of a block (a constexpr per compiled loop), BN output features per
-program, BK / BK34 K step of the 1-2 / 3-4 row loops, NB = step / 16 scale blocks per K step.
+Invariants: no host sync; every launch leaves its split-K tile counters at 0 and writes every valid
+act row and every y row; split reduction in split order (deterministic). Products are exact fp32
+(x * e2m1), so results differ from `moe_experts_ref` by < 2^-8 relative per weight; gate, up, act
+and y round to bf16 where the tile kernel rounds them. History: benchmarks/RESULTS.md.
 """
 
 from dataclasses import dataclass
@@ -63,7 +29,22 @@ from model.kernels.triton_common import (
 from model.kernels.triton_gemv import RESULT_SCALE, X_PRESCALE, split_counters
 from model.kernels.triton_moe import _group_by_expert, _parts, split_planes
 
-ROW_BLOCK = 4  # RB: slot rows per block (see the module docstring for 4 over 2 or 8)
+# Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
+# RB rows per block, MR valid rows of a block (a constexpr per compiled loop), BN output features per
+# program, BK / BK34 K step of the 1-2 / 3-4 row loops, NB = step / 16 scale blocks per K step.
+#
+# Slots are grouped by `triton_moe._group_by_expert` (`rows` [MB * RB] slot or -1, `block_expert`
+# [MB] expert or -1). `_moe_gemv_kernel`, grid (MB, N / BN, SPLIT_K), runs twice: GLU (a program
+# gathers its block's x rows, token = slot // K, streams w1 and w3 over its K range once, and after
+# the split sum stores act = bf16(swigluoai(bf16(gate), bf16(up))) at the rows' padded positions),
+# then down (act rows x w2 -> y[slot] = bf16(acc) * router weight; the caller sums a token's K slots
+# in fp32 and rounds once). Per K step: [BN, BK / 8] int32 words per matrix, each nibble decoded
+# once with three integer ops, one FFMA per weight and row, block scale per 16 products. The K
+# splits of a tile are reduced in the launch by the program that draws the tile counter's last
+# ticket (serial split-K, as `triton_gemv._store_split`). The K loop is specialised on the block's
+# valid-row count (1-4, one compiled loop each); the 3- and 4-row loops take a narrower K step
+# (BK34) because the kernel's one register allocation is its largest loop's (CONFIGS_WHY).
+ROW_BLOCK = 4  # RB: slot rows per block (why 4, not 2 or 8: benchmarks/RESULTS.md, moved docstrings)
 MAX_SLOTS_PER_EXPERT = ROW_BLOCK  # v6 dispatch bound on T*K / E: one block per expert on average
 POISON_INTERMEDIATES = False  # tests set True: act and y start as NaN, so a missed row shows
 

@@ -1,35 +1,14 @@
 """Triton NVFP4 MoE for training shapes: grouped GEMMs forward and backward, expert LoRA included.
 
-Why: the learner runs forward + backward through the frozen NVFP4 routed experts on thousands of
-tokens per call (~100-1000 token-slots per expert). The torch path dequantizes each expert to bf16 in
-memory, then multiplies; here every [rows, cols] weight tile is decoded from its packed bytes in
-registers (E2M1 -> fp32 through the fp8 bit trick of `triton_common`, times fl(block scale *
-scale_2)) straight into a tensor-core dot, for both the forward (x @ W^T, reduction along the packed
-dim) and the input-gradient backward (dy @ W: the same tile decode, transposed use: the reduction
-runs over W's rows). The bank's bytes are read, never written, never given a gradient.
+Why: the learner runs forward + backward through the frozen NVFP4 routed experts on ~100-1000 slots
+per expert; the torch path dequantizes each expert to bf16 in memory first. Here every weight tile is
+decoded from its packed bytes in registers straight into a tensor-core dot, for the forward (x @ W^T)
+and the input-gradient backward (dy @ W, the same tile decode used transposed). Slots are grouped by
+expert on device (`group_rows`); intermediates live in padded-row order.
 
-Layout (`group_rows`, on device, no host sync): the S = T*K token-slots sorted by expert, each
-expert's group padded to a multiple of BM rows. `rows` [MB*BM] holds each padded row's slot (-1 =
-padding), `block_expert` [MB] each BM-row block's expert (-1 = unused block; MB = S // BM + min(S,
-E) bounds every routing), `dest` [S] each slot's padded row, and `blk_start_E` / `blk_count_E` each
-expert's block range (for the per-expert LoRA weight gradients). Intermediates (gate, up, act, their
-gradients) live in padded-row order; x and dy are read through the row -> token map (no gather copy).
-
-Kernels (one program per [BM, BN] output tile; fp32 accumulation; all outputs written completely):
-- `_glu_fwd_kernel`: gate = x W1^T (+ s u1 B1^T), up = x W3^T (+ s u3 B3^T) in one program, epilogue
-  act = swigluoai(gate, up); stores gate, up, act (activation dtype, rounded as the reference rounds).
-- `_down_fwd_kernel`: y = act W2^T (+ s u2 B2^T), times the slot's router weight, stored by slot (fp32);
-  the caller sums a token's K slots (deterministic: no atomics).
-- `_down_bwd_kernel`: g = dy_token W2 (+ s v2 A2), epilogue: swigluoai backward with the saved
-  gate/up/act and the router weight -> dgate, dup; partial router-weight grads sum(g * act) per tile.
-- `_glu_bwd_kernel`: dx_slot = dgate W1 + dup W3 (+ s v1 A1 + s v3 A3), stored by slot (fp32).
-- `_dense_mm_kernel`: the rank-R LoRA products u = x A^T, v = dy B per row block (its expert's factor).
-- `_expert_outer_kernel`: per expert, sum over its rows of P^T Q: the LoRA A/B gradients.
-`F32=True` (fp32 activations: tests and gradchecks) keeps every operand fp32 (ieee dots); otherwise
-operands are bf16 (weights bf16(e2m1 * s * scale_2), exactly `ExpertBank.dequantized(e, bf16)`).
-
-Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MP = MB*BM
-padded rows, R LoRA rank (RP: padded to a power of two >= 16), BM/BN/BK tile sizes.
+Invariants: the bank is read, never written, never given a gradient; no host sync; no atomics (a
+token's K slots are summed by the caller: deterministic); every output written completely; fp32
+accumulation; bf16 operands are exactly `ExpertBank.dequantized(e, bf16)` (`F32=True`: all fp32).
 """
 
 import torch
@@ -37,6 +16,23 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import E2M1_FP8_SHIFT, e2m1_to_f32_x64, f32_to_bf16, use_hw_casts
+
+# Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MP = MB*BM
+# padded rows, R LoRA rank (RP: padded to a power of two >= 16), BM/BN/BK tile sizes.
+#
+# Grouping (`group_rows`): slots sorted by expert, each group padded to a multiple of BM rows; `rows`
+# [MB*BM] each padded row's slot (-1 padding), `block_expert` [MB] each block's expert (-1 unused;
+# MB = S // BM + min(S, E)), `dest` [S] each slot's padded row, `blk_start_E` / `blk_count_E` each
+# expert's block range (for the LoRA weight gradients). x and dy are read through the row -> token
+# map (no gather copy). Weight tiles: E2M1 -> fp32 by the fp8 bit trick of `triton_common`, times
+# fl(block scale * scale_2). Kernels, one program per [BM, BN] output tile:
+# - `_glu_fwd_kernel`: gate = x W1^T (+ s u1 B1^T), up = x W3^T (+ s u3 B3^T), act = swigluoai(gate, up);
+# - `_down_fwd_kernel`: y = act W2^T (+ s u2 B2^T) times the router weight, stored by slot (fp32);
+# - `_down_bwd_kernel`: g = dy_token W2 (+ s v2 A2), swigluoai backward -> dgate, dup; partial
+#   router-weight grads sum(g * act) per tile;
+# - `_glu_bwd_kernel`: dx_slot = dgate W1 + dup W3 (+ s v1 A1 + s v3 A3), by slot (fp32);
+# - `_dense_mm_kernel`: the rank-R LoRA products u = x A^T, v = dy B per row block;
+# - `_expert_outer_kernel`: per expert, sum over its rows of P^T Q (the LoRA A/B gradients).
 
 BM_TRAIN = 64  # padded rows per block: tl.dot M of every kernel; ~100+ rows per expert in training
 POISON_INTERMEDIATES = False  # tests set True: every scratch buffer starts as NaN (complete writes)
@@ -358,7 +354,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def group_rows(ids_S: torch.Tensor, n_experts: int, bm: int) -> dict[str, torch.Tensor]:
-    """Slots sorted by expert and padded to bm-row blocks, on device, no host sync (module docstring)."""
+    """Slots sorted by expert and padded to bm-row blocks, on device, no host sync (module notes)."""
     S = ids_S.numel()
     n_blocks = S // bm + min(S, n_experts)
     dev = ids_S.device
@@ -533,7 +529,7 @@ class _NVFP4MoETrain(torch.autograd.Function):
         grads = [None] * 6
         if has_lora:
             o = dict(n_experts=E, topk=K, bm=bm, f32=f32)
-            # A gradients: s * v^T [x | act]; B gradients: s * [dgate | dup | w*dy]^T u (module docstring).
+            # A gradients: s * v^T [x | act]; B gradients: s * [dgate | dup | w*dy]^T u (module notes).
             grads = [
                 _outer(v1, x_TD, g, router_w, scale=s, gather_p=False, gather_q=True, weight_p=False,
                        dtype=a1.dtype, **o),

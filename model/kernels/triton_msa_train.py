@@ -1,47 +1,15 @@
 """Block-sparse MSA attention for full sequences (training): Triton forward/backward and a FlexAttention twin.
 
-Why: the learner's sparse layers attend, per (token, KV group), to at most top-k key blocks of
-`block_size` tokens (FACTS 2, MSA), but the torch path builds dense [query chunk, S] score and mask
-tensors: O(S^2) work and memory at any sparsity. These kernels only visit the key tiles some token
-of a query tile selected, so work grows with S * top-k * block_size instead of S^2.
+Why: the torch path builds dense [query chunk, S] scores and masks (O(S^2) at any sparsity); these
+kernels visit only the key tiles some token of a query tile selected. A query tile is BQ tokens x the
+G heads of one KV group (GQA heads share a selection, hence every key tile); full tiles skip the mask;
+the backward is FlashAttention-2 style, deterministic without atomics (dQ per query tile, dK/dV per
+key tile). `model.kernels.msa_train_flex` is the FlexAttention twin; `sparse_attention_train` picks.
 
-Semantics (as `model.kernels.sparse_attention.sparse_attention_train_ref`, the spec): query t of
-row b, head h (KV group n = h // G) may attend key j iff both belong to the same sequence
-(`seq_ids`, -1 = padding, never attended nor attending), j <= t (index order: a packed sequence is
-contiguous and its positions restart at 0), and key j's block positions[j] // block_size is one of
-the blocks selected for (b, n, t) (`selected_BNSK`, -1 padded; computed by the indexer without
-gradient). Rows with no allowed key output 0. fp32 softmax statistics, output in q's dtype.
-
-Tiling (`plan_tiles`, torch on device, no host sync): a query tile is BQ consecutive tokens x the G
-heads of one KV group (M = BQ * G dot rows: GQA heads share the token's selection, so they share
-every key tile); a key tile is TK consecutive key indices (TK divides block_size). The plan counts,
-per (query tile, key tile), the allowed (token, key) pairs: > 0 = visit, == BQ * TK = full (the
-kernels skip the mask). Lists hold tile * 2 + is_full in tile order (the causal diagonal last); the
-transposed lists (per key tile, the query tiles that see it) drive the dK/dV kernel, so the backward
-is deterministic without atomics (FlashAttention-2 style: dQ per query tile, which also writes delta
-= rowsum(dO * O); then dK/dV per key tile, scores computed transposed, P recomputed from the saved
-log-sum-exp). Partial tiles build the mask from keep[b, n, t, block] (uint8 [B, N, S, NB + 1], the
-selection as a bitmap), three columns per row (`_allowed`).
-
-Performance (v1 -> v2). On the H200 (RESULTS.md, 2026-11-30) v1 (M 64 rows, TK 64, the mask gathered
-per element on every tile) took 10.6 / 40.2 ms fwd / fwd+bwd at m3-16k against SDPA's 6.7 / 28.5 and
-flex's 15.3 / 34.9: ~6x less work per ms than SDPA on the tiles it visits. Offline sm_90 compiles
-(benchmarks/msa_compile_report.py) show why: the 2-D gather gave Triton a second layout for the whole
-softmax (exp2 twice, a [M, TK] layout conversion through shared memory per tile; 255 registers and
-spills in both backward kernels). v2: 1-D mask loads on partial tiles only (full tiles are ~97% of
-those visited with block-coherent selections, ~67% with per-token noisy ones), M 128 (8 tokens at
-G 16: each K/V tile feeds twice the rows), dK/dV transposed over 128 keys x 32 rows (P^T, dS^T stay
-in registers), delta fused into dQ: all three compile spill-free with pipelined (cp.async) tile
-loads. Not yet timed on the device: `CONFIGS` keeps v1's tiles and mask (and v2 neighbours) so the
-benchmark times old and new in one process.
-
-`model.kernels.msa_train_flex` runs the same mask through torch's FlexAttention with a BlockMask
-built from these pair counts (`tile_pairs`, `compact_lists`); the dispatch
-(`model.kernels.sparse_attention.sparse_attention_train`) chooses between them.
-
-Legend: B batch, S sequence, H query heads, N KV heads, G = H / N, C head dim, K selected blocks,
-NB key blocks, BQ tokens per query tile, M = BQ * G rows, TK keys per key tile, NQT / NT query / key
-tiles, W list width.
+Invariants: semantics are `sparse_attention_train_ref`'s (same `seq_ids` sequence, -1 padding never
+attends nor is attended, causal in index order, key block among the selected; rows with no allowed
+key output 0); fp32 softmax statistics, output in q's dtype; no host sync in tile planning.
+Timed on the H200: benchmarks/RESULTS.md, "MSA training kernels v2" (v1: "training kernels on the H200").
 """
 
 import os
@@ -53,6 +21,17 @@ import triton.language as tl
 
 from model.kernels.triton_common import use_hw_casts
 
+# Legend: B batch, S sequence, H query heads, N KV heads, G = H / N, C head dim, K selected blocks,
+# NB key blocks, BQ tokens per query tile, M = BQ * G rows, TK keys per key tile, NQT / NT query / key
+# tiles, W list width.
+#
+# Tiling (`plan_tiles`, torch on device): a key tile is TK consecutive key indices (TK divides
+# block_size). Per (query tile, key tile) the plan counts the allowed (token, key) pairs: > 0 means
+# visit, == BQ * TK means full (no mask). Lists hold tile * 2 + is_full in tile order (the causal
+# diagonal last); the transposed lists (per key tile, the query tiles that see it) drive dK/dV. dQ
+# also writes delta = rowsum(dO * O); dK/dV compute scores transposed and recompute P from the saved
+# log-sum-exp. Partial tiles build the mask from keep[b, n, t, block] (uint8 [B, N, S, NB + 1], the
+# selection as a bitmap), three loads per row (`_allowed`).
 LOG2E = 1.4426950408889634
 POISON_OUTPUTS = False  # tests set True: outputs and gradients start as NaN (complete writes)
 
@@ -380,7 +359,7 @@ def plan_tiles(
     selected_BNSK: torch.Tensor, seq_ids_BS: torch.Tensor, positions_BS: torch.Tensor, *,
     block_size: int, num_blocks: int, bq: int, tk: int, tkd: int | None = None,
 ) -> dict:  # fmt: skip
-    """Selection -> the kernels' plan (module docstring): keep bitmap, key blocks, per-query-tile key
+    """Selection -> the kernels' plan (module notes): keep bitmap, key blocks, per-query-tile key
     tile lists (tk keys) and per-key-tile query tile lists for dK/dV (tkd keys, a multiple of tk: its
     counts are sums of tk-tiles'), as tile * 2 + is_full, in order, with counts."""
     B, N, S, _ = selected_BNSK.shape

@@ -1,48 +1,16 @@
 """Triton paged (block-sparse) attention decode over NVFP4 / FP8 / bf16 K/V pages.
 
-Why: decode attention reads, per query token and KV group, only the indexer's selected pages (at
-most 16 x 128 keys), so it is bound by those bytes; NVFP4 pages (72 B per token, head and side)
-move 1.78x fewer than FP8. The torch path gathers whole sequences and dequantizes to fp32 first.
+Why: decode attention reads, per query token and KV group, only the indexer's selected pages, so it
+is bound by those bytes (NVFP4 pages move 1.78x fewer than FP8). One program takes the G query heads
+of a KV group (each K/V page read once for the group), dequantizes pages in registers and runs an
+online softmax in the exp2 domain; splits of the block list are merged by log-sum-exp. On the FP8
+path q, P and the pages meet in FP8-valued dots; `variant=` picks v3 (default: word-wise NVFP4
+decode to fp16 tiles holding e4m3 values), v2 (sub-tiled byte-wise decode) or v5 (coalesced loads).
 
-Kernels (semantics: `model.kernels.sparse_attention`):
-1. `_sparse_attn_kernel`, grid (T, N, SPLITS): the G query heads of KV group n of token t (one
-   [G, C] tile, so each K/V page is read once for the whole group) walk BPS of the group's selected
-   blocks (all blocks 0..pos // page when dense) with an online softmax in the exp2 domain. Per page:
-   - K and V tiles [page, C] are loaded in their stored byte order and dequantized in registers:
-     NVFP4 -> e4m3(e2m1 * block_scale) (E2M1 by bit manipulation, FACTS 6; bit-exact with
-     `nvfp4.kv_dequantize_fp8`), FP8 used as stored, bf16 as stored; the per-layer global scales
-     multiply the scores (k_scale) and the output (v_scale), never the tiles;
-   - FP8 path: Q quantized per head row to e4m3 with scale amax / 448; scores = FP8 dot (fp32
-     accumulation); P (in [0, 1]) cast to e4m3 for the FP8 P.V dot; the row sum l uses fp32 P.
-     bf16 path (bf16 cache, or pages / head dims too small for FP8 MMA): bf16 dots, exact products.
-   SPLITS = 1 writes the output; otherwise each split writes (m, l, acc) partials.
-   v2: each page is walked in PAGE / SUB tiles of SUB tokens (SUB = 64 halves the registers of a
-   decoded tile: v1's NVFP4 FP8-dot kernel spilled 344 B per thread at 4 warps), and compiled
-   launches with 128-token pages pick SUB / warps / pipeline depth by timing on first use (on the
-   H200: FP8 141 -> 77 us, bf16 138 -> 86 us at B=64; NVFP4 unchanged at 163 us). The bf16-dot
-   fallback decodes NVFP4 tiles element by element (`load_nvfp4_tile_direct`): the interleaved tile
-   gave wrong results there on the H200 (v1).
-   v3 (default, `variant=`): NVFP4 pages at head dim 128 on the FP8 path are decoded word-wise
-   straight to fp16 tiles holding the e4m3 values (`triton_common.load_nvfp4_tile_f16` with its
-   e4m3 rounding: the same bits as v2's tiles; page loop 6.2-6.4 SASS per K/V value against v2's
-   21 and FP8's 5.0-5.5, offline sm_90, compile report), and q, P and the
-   tiles meet in fp16 dots: the numbers of the FP8 dot (every product of e4m3 values is exact in
-   fp32), which on sm_90 at 16 query rows Triton runs as fp16 MMA after converting anyway. The
-   autotune is keyed by cache format and version too (v2 keyed by shape only, so the FP8 launch
-   reused the NVFP4 pick). `variant="v2"` keeps the v2 tiles, to be timed beside v3.
-   v5 (opt-in until measured): v3 with K / V tiles read by `load_nvfp4_tile_f16_v5` (coalesced flat
-   block word loads; the V mask a scalar row bound), for the L1-bound v3 the H200's ncu showed (L1/TEX
-   81%, DRAM 13%, 2-byte tile stores); bit for bit v3's output (tested).
-2. `_merge_kernel`, grid (T, N): log-sum-exp merge of the splits: out = sum_s acc_s 2^(m_s - M) /
-   sum_s l_s 2^(m_s - M) * v_scale. A row with no visible key gets zeros.
-SPLITS is chosen so T * N * SPLITS covers ~4 waves of SMs (batch 1: one block per program).
-
-Numerics: the FP8 path equals `sparse_attention_ref` run on FP8-emulated inputs (`fp8_emulated`:
-q -> e4m3(q / qs) * qs, pages -> fp32 values of the FP8 tiles) up to P's e4m3 rounding and fp32
-order; the bf16 path equals `sparse_attention_ref` up to bf16 rounding of q and P.
-
-Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, K selected slots, P block-table
-width, BPS blocks per split.
+Invariants: semantics are `model.kernels.sparse_attention`'s; the FP8 path equals
+`sparse_attention_ref` on FP8-emulated inputs (`fp8_emulated`) up to P's e4m3 rounding and fp32
+order, the bf16 path up to bf16 rounding of q and P; v5's output is v3's bit for bit; a row with no
+visible key gets zeros. History: benchmarks/RESULTS.md.
 """
 
 from typing import Literal
@@ -101,6 +69,19 @@ def _load_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl.co
     return tile
 
 
+# Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, K selected slots, P block-table
+# width, BPS blocks per split.
+#
+# `_sparse_attn_kernel`, grid (T, N, SPLITS): the [G, C] query tile of KV group n of token t walks
+# BPS of the group's selected blocks (all blocks 0..pos // page when dense). K and V tiles are loaded
+# in stored byte order and dequantized in registers: NVFP4 -> e4m3(e2m1 * block_scale) (bit-exact
+# with `nvfp4.kv_dequantize_fp8`; the bit trick of docs/FACTS.md, "Kernel facts"), FP8 and bf16 as
+# stored; the per-layer global scales multiply the scores (k_scale) and the output (v_scale), never
+# the tiles. FP8 path: Q quantized per head row to e4m3 (scale amax / 448), FP8 score dot with fp32
+# accumulation, P cast to e4m3 for P.V, the row sum l from fp32 P. bf16 path (bf16 cache, or pages /
+# head dims too small for FP8 MMA): bf16 dots. SPLITS = 1 writes the output, otherwise (m, l, acc)
+# partials that `_merge_kernel` (grid (T, N)) combines: out = sum_s acc_s 2^(m_s - M) /
+# sum_s l_s 2^(m_s - M) * v_scale. SPLITS makes T * N * SPLITS cover ~4 waves of SMs.
 @triton.jit
 def _sparse_attn_kernel(
     q_ptr, stride_qt, stride_qh,
@@ -296,7 +277,7 @@ def sparse_attention_triton(
     force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None, sub_tile: int | None = None,
     variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
-    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module docstring. No host syncs.
+    """[T, H, C] in q's dtype (written into `out_THC` if given); see the module notes. No host syncs.
     `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
     "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
     "v4" the same kernel tuned over deeper page pipelines (`V4_CONFIGS`; NVFP4 only, other caches

@@ -1,37 +1,15 @@
 """MiniMax-M3 attention: GQA with per-head QK norm and partial RoPE, dense or MSA-sparse.
 
-What: one `Attention` module per layer with two entry points.
-- `forward` (training / scoring): full sequences [B, S], causal, with padding and packed
-  sequences (`seq_ids_BS`, -1 = padding; tokens see only their own sequence), and optional
-  simulation of the KV cache's rounding so the learner attends to exactly what the engine's
-  cache holds. Implemented as dense scores + a block mask over query chunks (memory
-  O(B * H * query_chunk * S), compute O(S^2)): fine for training at moderate lengths; sparse
-  layers on CUDA (or under TRITON_INTERPRET=1) run `sparse_attention_train`'s block-sparse
-  kernels instead (same selection, same result up to summation order). A sequence
-  must start at position 0 within the batch row for its selection to equal the engine's (the
-  blocks of an absent prefix would still be candidates and forced init blocks).
-- `forward_cached` (engine): flattened varlen tokens of several sequences; appends K/V (and
-  index keys) to the paged `KVCache`, then runs the paged ops in `model.kernels`; with a
-  `DCPKVCache` (decode-context parallel: a rank holds every W-th page) the cache's DCP path.
+What: one `Attention` per layer with two entry points: `forward` (training / scoring: full [B, S]
+sequences, padding and packing through `seq_ids_BS`, optional simulation of the KV cache's rounding)
+and `forward_cached` (the engine: varlen tokens appended to the paged `KVCache` or a `DCPKVCache`,
+then the paged ops of `model.kernels`). Sparse layers run the lightning indexer and attend only to
+their KV group's selected blocks (docs/FACTS.md, "MSA and the lightning indexer").
 
-MSA (sparse layers, FACTS section 2): the lightning indexer (index_q_proj: N heads,
-index_k_proj: ONE shared head, own norms, same partial RoPE) scores key blocks by the max raw
-dot product over causally visible keys; `select_blocks` picks forced (local, init) then top
-scoring blocks per (token, KV group); each query head of group g attends only to g's blocks.
-Blocks are anchored to positions (block = position // index_block_size), also within packed
-sequences, so training and the paged cache select identical blocks.
-
-KV scales: `k_scale`, `v_scale`, `index_k_scale` are fp32 buffers (dequant side, default
-DEFAULT_KV_SCALE = 1.0, not saved in state_dict: a checkpoint loader or calibration sets them).
-The same values must be given to the cache: `cache.set_scales(i, *attn.kv_scales())`.
-
-Gradients: the KV simulation is straight-through (forward rounds, backward is identity), so
-q/k/v/o projections, norms and the input all get gradients. The index projections get none
-through the attention output: block selection is discrete (top-k), as in the reference
-implementations; training them needs an auxiliary indexer loss (not part of this module).
-
-Legend: B batch, S sequence, T flattened tokens, D model dim, H query heads, N kv heads (= index
-heads), G = H / N, C head dim, I index head dim, NB key blocks, K selected blocks.
+Invariants: blocks are anchored to positions (block = position // index_block_size), so training and
+the paged cache select identical blocks when a sequence starts at position 0 of its row; the KV
+simulation is straight-through; the index projections get no gradient through the output (top-k is
+discrete); the cache must get the module's scales: `cache.set_scales(i, *attn.kv_scales())`.
 """
 
 import torch
@@ -49,6 +27,17 @@ from model.kv_cache import DEFAULT_KV_SCALE, KVCache, KVDtype, check_kv_dtype, k
 from model.layers.norm import RMSNorm
 from model.layers.rope import apply_rope, rope_cos_sin
 from model.parallel.context_parallel import DCPKVCache
+
+# Legend: B batch, S sequence, T flattened tokens, D model dim, H query heads, N kv heads (= index
+# heads), G = H / N, C head dim, I index head dim, NB key blocks, K selected blocks.
+#
+# `forward` computes dense scores + a block mask over query chunks (memory O(B * H * chunk * S),
+# compute O(S^2)); sparse layers on CUDA (or under TRITON_INTERPRET=1) run `sparse_attention_train`'s
+# block-sparse kernels instead (same selection, same result up to summation order). A sequence not
+# starting at position 0 of its row would keep the absent prefix's blocks as candidates and forced
+# init blocks. `k_scale`, `v_scale`, `index_k_scale` are fp32 dequant-side buffers (default
+# DEFAULT_KV_SCALE = 1.0, not in state_dict: a loader or calibration sets them). Training the index
+# projections would need an auxiliary indexer loss, which this module does not have.
 
 __all__ = ["Attention", "select_blocks"]
 

@@ -1,27 +1,15 @@
 """LoRA adapters on the frozen (NVFP4 or float) MiniMax-M3 base.
 
-What: `LoRAConfig` (rank, alpha, dropout, which logical linears get an adapter), `LoRALinear` (an
-nn.Linear that *shares* the wrapped layer's weight and adds B(A(x)) * alpha / r), `ExpertLoRA` (the
-routed experts' adapter: per-expert A/B stacked as [E, r, in] / [E, out, r], plugged into the
-`ExpertBank.lora` hook of model/kernels/moe.py), and the model-level functions the trainer, sync and
-export use: `apply_lora`, `lora_state_dict`, `load_lora_state_dict`, `lora_num_parameters`,
-`lora_num_bytes`, `merge_lora`.
+What: `LoRAConfig`, `LoRALinear` (shares the wrapped layer's weight, adds B(A(x)) * alpha / r),
+`ExpertLoRA` (per-expert A/B stacked [E, r, in] / [E, out, r] on the `ExpertBank.lora` hook), and
+`apply_lora`, `lora_state_dict`, `load_lora_state_dict`, `lora_num_parameters`, `lora_num_bytes`,
+`merge_lora`. Why: only adapters train and move; a `dict[str, Tensor]` from `lora_state_dict` is
+the unit that sync, checkpoints and export carry.
 
-Why: the product trains only rank-r adapters over a frozen quantized base and moves only adapter
-tensors between learner and engines; a plain `dict[str, Tensor]` of adapter tensors (the output of
-`lora_state_dict`) is that unit.
-
-Invariants:
-- The base is never copied: `LoRALinear.weight` *is* the wrapped layer's Parameter, so parameter
-  names (`...q_proj.weight`) and `model.checkpoint.base_fingerprint` are the same before and after
-  `apply_lora`; routed-expert storage (NVFP4 buffers) is untouched.
-- Initialisation as PEFT's default: A Kaiming-uniform (a = sqrt(5), nn.Linear's rule), B zeros, so a
-  fresh adapter adds an exact 0 and outputs are bit-identical to the base.
-- Adapter tensor names end in `lora_A.weight` / `lora_B.weight` (PEFT's spelling); every adapter
-  tensor name contains `lora_`, which is how `base_fingerprint` tells adapter from base.
-- `apply_lora` freezes every base parameter; only adapter parameters require grad.
-
-Legend: M tokens, I / O a projection's input / output features, R rank, E experts.
+Invariants: the base is never copied (parameter names and `base_fingerprint` are unchanged by
+`apply_lora`; expert storage is untouched) and is frozen; PEFT's init (A Kaiming-uniform, B zeros), so
+a fresh adapter is bit-identical to the base; adapter names end in `lora_A.weight` / `lora_B.weight`
+and contain `lora_`, which is how `base_fingerprint` tells adapter from base.
 """
 
 from __future__ import annotations
@@ -37,6 +25,8 @@ from torch import nn
 
 from model.kernels.moe import Proj
 from model.layers.moe import PROJS, ExpertBank
+
+# Legend: M tokens, I / O a projection's input / output features, R rank, E experts.
 
 TargetModule = Literal[
     "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",

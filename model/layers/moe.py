@@ -1,24 +1,15 @@
 """MiniMax-M3 feed-forward blocks: the dense SwiGLU-OAI MLP and the sparse MoE block.
 
-What: `DenseMLP` (dense prefix layers' `mlp` and every MoE layer's `shared_experts`), `ExpertBank`
-(the E routed experts stacked, in float, NVFP4 or MXFP8 storage) and `MoE` (the
-`block_sparse_moe` module: fp32 sigmoid router with a selection-only bias, routed experts, shared
-expert). Parameter names copy the checkpoint; a bank tensor `{w}_{suffix}` stacks the checkpoint's
-`experts.{e}.{w}.{suffix}` over experts (suffix `weight`, `weight_scale`, `weight_scale_2`; an
-MXFP8 scale, `weight_scale_inv` in M3 checkpoints, is held as `weight_scale`). `ExpertBank.lora` is
-the hook for per-expert adapters (see `model.kernels.moe.ExpertDelta`).
+What: `DenseMLP` (the dense prefix's `mlp` and every MoE layer's `shared_experts`), `ExpertBank` (the
+E routed experts stacked, float / NVFP4 / MXFP8; tensor `{w}_{suffix}` stacks the checkpoint's
+`experts.{e}.{w}.{suffix}`, an MXFP8 `weight_scale_inv` held as `weight_scale`; `ExpertBank.lora` is
+the per-expert adapter hook) and `MoE` (`block_sparse_moe`: the router of docs/FACTS.md,
+"M3 architecture", routed experts, shared expert always added).
 
-Router (FACTS 2): logits in fp32; scores = sigmoid(logits); the top-k experts are chosen by
-scores + e_score_correction_bias, but weighted by their unbiased scores renormalised to sum 1 and
-multiplied by routed_scaling_factor; the shared expert is always added.
-
-Invariants: the router weight and the correction bias stay fp32 and quantized bank storage keeps
-its dtypes through `module.to(dtype)` / `.half()` (only devices follow); quantized banks are
-buffers and never get gradients; the computation goes through `model.kernels.moe.moe_experts`
-(one dispatch point, no Triton/reference branch here). NVFP4 w1 and w3 of one expert share one
-global scale (vLLM serves the fused w13 with w1's `weight_scale_2`).
-
-Legend: B batch, S sequence, T tokens, D hidden, F expert ffn dim, E experts, K top-k.
+Invariants: router weight and correction bias stay fp32, and quantized bank storage keeps its dtypes
+through `module.to(dtype)` (only devices follow); quantized banks are buffers, never given gradients;
+experts run through `model.kernels.moe.moe_experts` (one dispatch point); NVFP4 w1 and w3 of an expert
+share one global scale (vLLM serves the fused w13 with w1's `weight_scale_2`).
 """
 
 from __future__ import annotations
@@ -35,6 +26,8 @@ from model.config import ModelConfig
 from model.kernels.moe import ExpertDelta, Proj, moe_experts, swigluoai
 from model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8, quantize_mxfp8
 from model.nvfp4 import NVFP4Tensor, dequantize, quantize, to_modelopt
+
+# Legend: B batch, S sequence, T tokens, D hidden, F expert ffn dim, E experts, K top-k.
 
 __all__ = ["DenseMLP", "ExpertBank", "ExpertDelta", "ExpertFormat", "MoE", "RouterStats", "swigluoai"]
 
@@ -481,7 +474,8 @@ class MoE(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        # The router runs in fp32 (FACTS 2) even when the rest of the model is cast to bf16.
+        # The router runs in fp32 (docs/FACTS.md, "M3 architecture") even when the rest of the
+        # model is cast to bf16.
         return _keep_dtypes_apply(self, fn, recurse, ["gate.weight", "e_score_correction_bias"])
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

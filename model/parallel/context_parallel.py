@@ -1,43 +1,15 @@
 """Decode-context parallel (DCP) MSA: a sequence's pages interleaved over ranks, exact merges.
 
-What: block (= page) b of every sequence, K/V and index keys alike, lives on rank b % W of the
-DCP group, as local block b // W of that rank's block table (`DCPLayout`). Every rank holds all
-query tokens (replicated q and index_q) and
-  - indexer (`dcp_index_select_blocks`): scores only the blocks it owns (block score = max over the
-    causally visible keys of the raw index dot, as `model.kernels.indexer`), keeps its local top-k
-    non-forced candidates (score, global block id), all-gathers them and merges: forced blocks
-    first (own block and its local predecessors, then init blocks), then the highest scores, ties
-    to the lower block id, -1 padded. The result is the single-rank `select_blocks` selection,
-    identically: every globally selected block is in its owner's local top-k (the local order is
-    the global order restricted to the owner's blocks), and when a rank truncates its candidates
-    it alone supplies enough of them to fill every free slot.
-  - attention (`dcp_sparse_attention`): attends over the selected blocks it owns, giving a partial
-    output and its log-sum-exp per (token, head); partials are all-gathered and merged exactly by
-    LSE weighting (`merge_attention_partials`). A query whose selected blocks all live elsewhere
-    contributes weight 0; a query with no key at all gets 0, as the single-rank op.
+What: block (= page) b of every sequence lives on rank b % W as local block b // W (`DCPLayout`);
+every rank holds all query tokens. The indexer (`dcp_index_select_blocks`) scores only owned blocks,
+all-gathers each rank's local top-k candidates and merges them; attention (`dcp_sparse_attention`)
+attends over owned selected blocks and merges the partial outputs by log-sum-exp. `DCPKVCache` is a
+rank's share of a DCP engine replica's paged cache. Why: at long context decode is bound by reading
+index keys and selected K/V; W GPUs divide those bytes and the KV memory per GPU by W.
 
-Why: at long context a decode step is bound by reading index keys and selected K/V; spreading the
-pages over W GPUs divides those bytes (and the KV memory per GPU) by W, for two small all-gathers.
-
-Numerics: K/V and index pages are dequantized with `model.kv_cache.dequantize_kv`; scores, softmax
-and P.V in fp32 as `model.kernels.sparse_attention`; the output has q's dtype. The per-rank
-compute is the batched torch path (the Triton kernels fuse top-k / the LSE merge and do not expose
-scores or LSEs yet). Equal to the single-rank ops up to fp32 summation order; top-k sets identical.
-
-Engine cache (`DCPKVCache`): a rank's share of a DCP replica's paged cache. One block-table entry
-(a scheduler page) covers W * page_size tokens: entry e names local page table[e] on EVERY rank,
-which holds block e * W + rank there. So the engine's block table is the `DCPLayout` local table
-as is, page allocation, prefix sharing and copy-on-write stay rank-agnostic (every rank runs the
-same scheduler), and W ranks of M pages each hold W times the context of one M-page cache.
-`attend_cached` is the attention layers' engine path in DCP mode: append the owned tokens, select
-blocks, attend.
-
-Invariants: every rank of the group calls each function with the same tokens (queries, positions,
-global `seq_lens_B`) and its own pages; a world of 1 runs no collective.
-
-Legend: T tokens, H query heads, N kv / index heads, G = H / N, C head dim, B sequences, W ranks,
-Pl local block-table width, Sl local keys of one sequence, NBl local blocks, K top-k, X gathered
-candidates (W * K).
+Invariants: selections equal the single-rank `select_blocks` exactly, outputs up to fp32 summation
+order; every rank calls each function with the same tokens (queries, positions, global `seq_lens_B`)
+and its own pages; a world of 1 runs no collective.
 """
 
 from __future__ import annotations
@@ -102,6 +74,26 @@ class DCPLayout:
         return ((j // self.page_size) * self.world + self.rank) * self.page_size + j % self.page_size
 
 
+# Legend: T tokens, H query heads, N kv / index heads, G = H / N, C head dim, B sequences, W ranks,
+# Pl local block-table width, Sl local keys of one sequence, NBl local blocks, K top-k, X gathered
+# candidates (W * K).
+#
+# Why the indexer merge is exact: each rank keeps its local top-k non-forced candidates (score,
+# global block id); the merge puts forced blocks first (own block and its local predecessors, then
+# init blocks), then the highest scores, ties to the lower block id, -1 padded. Every globally
+# selected block is in its owner's local top-k (the local order is the global order restricted to
+# the owner's blocks), and a rank that truncates its candidates alone supplies enough to fill every
+# free slot. Attention: a query whose selected blocks all live elsewhere contributes weight 0 to the
+# LSE merge; one with no key at all gets 0, as the single-rank op. Per-rank compute is the batched
+# torch path (pages via `model.kv_cache.dequantize_kv`, fp32 scores / softmax / P.V): the Triton
+# kernels fuse top-k and the LSE merge and do not expose scores or LSEs.
+#
+# Engine cache: one block-table entry (a scheduler page) covers W * page_size tokens: entry e names
+# local page table[e] on every rank, which holds block e * W + rank there. So the engine's block
+# table is the `DCPLayout` local table as is; page allocation, prefix sharing and copy-on-write stay
+# rank-agnostic (every rank runs the same scheduler), and W ranks of M pages hold W times the
+# context of one M-page cache. `attend_cached` is the attention layers' DCP engine path: append the
+# owned tokens, select blocks, attend.
 def shard_pages(
     pages: torch.Tensor, block_tables_BP: torch.Tensor, seq_lens_B: torch.Tensor, layout: DCPLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,7 +351,7 @@ def dcp_sparse_attention(
 
 # --------------------------------------------------------------------------------- engine cache
 class DCPKVCache(KVCache):
-    """This rank's share of a DCP replica's paged cache (layout in the module docstring).
+    """This rank's share of a DCP replica's paged cache (layout in the notes at the top of the module).
 
     `num_pages` local pages are the scheduler's to hand out; one more, `trash_page`, never in a
     block table, takes the appends of tokens whose block another rank owns, so an append stays one

@@ -1,30 +1,16 @@
 """DEP in a learner: what a data-parallel learner group needs once its routed experts *and their
 adapters* are sharded by `apply_expert_parallel(model, group, shard_lora=True)`.
 
-What:
-- `sharded_adapter_params(model)`: the adapter tensors that live on one rank only (the per-expert
-  LoRA factors of every `ExpertParallelMoE`), by parameter name, with their `ExpertShard`.
-- `gather_expert_shards(tensors, shards)`: full [E, ...] tensors from every rank's [El, ...] shard;
-  `slice_expert_shards(tensors, shards)`: the inverse (this rank's rows of full tensors).
-- `gather_optimizer_state` / `slice_optimizer_state`: an optimizer `state_dict` between this rank's
-  layout and the single-process layout (per-element state such as Adam's moments is gathered or
-  sliced along the expert dim; scalars such as `step` are the same on every rank).
-- `clip_grad_norm_(replicated, sharded, max_norm, group)`: `torch.nn.utils.clip_grad_norm_` over
-  the union of the group's parameters: replicated gradients counted once, shards summed over ranks.
+What: `sharded_adapter_params` (the per-expert LoRA factors that live on one rank), `gather_ / slice_
+expert_shards` and `gather_ / slice_optimizer_state` (between a rank's layout and the single-process
+one), and `clip_grad_norm_` over the group's union of parameters. Why: each rank holds 1/W of the
+expert adapters, gradients and optimizer state and never all-reduces them (the EP backward already
+brought every token's gradient to the owner), yet what leaves the group (adapter, checkpoint) is the
+single-process layout, so W DEP learners resume on one and vice versa.
 
-Why: with DEP each rank holds 1/W of the expert adapters, their gradients and optimizer state, and
-a step never all-reduces them (the EP backward all-to-all has already brought every rank's tokens'
-gradient to the owning rank, so the owner's gradient is the union-batch gradient). What leaves the
-group is still the single-process adapter and optimizer state: engines load the full adapter, and
-a checkpoint written by W DEP learners resumes on one learner, or on W, and vice versa.
-
-Invariants: every function that takes or finds a group is collective over it (every rank calls it,
-with its dicts in the same order: model order); all-gathers give every rank the same full tensors,
-so learners keep answering identically; with a group of one they are copies / identities. Gathered
-tensors move to `device` one at a time, so the transient device memory is one tensor, not the
-adapter.
-
-Legend: E experts (global), El experts on this rank, W ranks in the EP group.
+Invariants: every function that takes a group is collective over it (same dicts, model order); every
+rank gets the same gathered tensors; a group of one gives copies; gathered tensors move to `device`
+one at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +24,11 @@ from torch import nn
 
 from model.parallel.expert_parallel import ExpertParallelMoE
 from model.parallel.groups import group_size
+
+# Legend: E experts (global), El experts on this rank, W ranks in the EP group.
+# Optimizer state: per-element state (Adam's moments) is gathered / sliced along the expert dim;
+# scalars such as `step` are the same on every rank. clip_grad_norm_ counts replicated gradients
+# once and sums the shards over ranks.
 
 __all__ = [
     "ExpertShard",

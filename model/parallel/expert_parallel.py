@@ -1,42 +1,15 @@
 """Expert-parallel MoE (EP) and DEP (data-parallel attention + EP MoE) for the MiniMax-M3 MoE block.
 
-What: the routed experts of a `model.layers.moe.MoE` are sharded over the ranks of an EP group in
-contiguous ranges (`expert_ranges`); every rank keeps the router and the shared expert (replicated,
-unchanged) and its own tokens (data-parallel attention: each rank runs its own sequences).
-One forward:
-  1. route locally (the single-process `MoE.route`, bit for bit);
-  2. dispatch: token-slots sorted by destination rank, send counts exchanged first (all-to-all of
-     W ints), then the slots' hidden rows and local expert ids by all-to-all;
-  3. each rank runs its experts on what it received through `model.kernels.moe.moe_experts` (the
-     single-process dispatch point: Triton on CUDA for NVFP4 inference, the torch grouped path
-     otherwise) with one slot per row and weight 1, i.e. the per-slot expert output;
-  4. combine: the outputs go back by the reverse all-to-all, and the router weights are applied
-     locally, accumulated in fp32 and rounded once, as `moe_experts_torch` does; the shared expert
-     is added locally.
-A rank's shard comes either from a whole MoE (`shard_expert_bank` copies its rows) or, for a model
-too large for one device, straight from the checkpoint (`load_model(..., expert_range=)` builds
-partial banks: `ExpertBank.first_expert` / `total_experts`); the wrapper then uses the bank as it
-is. Expert adapters are built for the whole layer either way (`apply_lora` draws every expert's
-factors, so a shard's equal the whole model's) and either kept whole behind the local -> global
-offset (`OffsetExpertLoRA`, engines) or cut to this rank's experts (`shard_lora`, learners).
-The all-to-all is an autograd Function whose backward is the reverse all-to-all, so gradients
-reach the activations, the router and LoRA (dense or per-expert) through the exchange.
+What: the routed experts of a `model.layers.moe.MoE` are sharded over an EP group in contiguous
+ranges (`expert_ranges`); every rank keeps the router, the shared expert and its own tokens. One
+forward: route locally (`MoE.route`, bit for bit), all-to-all the token-slots to their experts' ranks,
+run them through `model.kernels.moe.moe_experts` one slot per row with weight 1, all-to-all back,
+apply the router weights at the source. Why there: the expert rank returns exactly the single-process
+per-slot output, and the router-weight gradient never crosses the network.
 
-Why per-slot rows and weights applied at the source: the expert rank then returns exactly the
-single-process per-slot output (same weights, same rounding), and the router-weight gradient never
-crosses the network. (Deduplicating a token sent twice to one rank would halve traffic at top-4
-over few ranks; left for later, see the report in benchmarks/RESULTS.md.)
-
-Invariants: with a world of 1 (or no torch.distributed) no collective runs and the result is the
-single-process MoE's; every rank of the EP group must call forward (and backward) of every EP layer
-in the same order, with zero tokens if it has none; the fp32 output equals the single-process MoE
-up to fp32 summation order. Expert-adapter gradients appear only on the rank owning the expert
-(the backward all-to-all brings every rank's tokens' contributions there): with the adapter kept
-whole on every rank, summing LoRA gradients over the EP group gives the union-batch gradient; with
-`shard_lora` the owner's shard gradient already is the union-batch gradient of those experts.
-
-Legend: T tokens, D hidden, E experts (global), El local experts, K top-k, S = T*K token-slots
-sent, R token-slots received, W ranks in the EP group.
+Invariants: a world of 1 runs no collective and gives the single-process MoE; every rank calls
+forward (and backward) of every EP layer in the same order, with zero tokens if it has none; the fp32
+output equals the single-process MoE up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -51,6 +24,25 @@ from model.kernels.moe import moe_experts
 from model.layers.lora import ExpertLoRA, OffsetExpertLoRA
 from model.layers.moe import ExpertBank, MoE, RouterStats
 from model.parallel.groups import group_rank, group_size
+
+# Legend: T tokens, D hidden, E experts (global), El local experts, K top-k, S = T*K token-slots
+# sent, R token-slots received, W ranks in the EP group.
+#
+# Dispatch: slots sorted by destination rank, send counts exchanged first (an all-to-all of W ints),
+# then hidden rows and local expert ids. Combine: outputs return by the reverse all-to-all; router
+# weights applied locally, accumulated in fp32 and rounded once (as `moe_experts_torch`); the shared
+# expert added locally. The all-to-all is an autograd Function whose backward is the reverse
+# all-to-all, so gradients reach activations, router and LoRA through the exchange. (Deduplicating a
+# token sent twice to one rank would halve traffic at top-4 over few ranks: not done.)
+#
+# Shards come from a whole MoE (`shard_expert_bank` copies rows) or, for a model too large for one
+# device, straight from the checkpoint (`load_model(..., expert_range=)`: partial banks with
+# `ExpertBank.first_expert` / `total_experts`). Expert adapters are built for the whole layer
+# (`apply_lora` draws every expert's factors, so a shard's equal the whole model's), then kept whole
+# behind the local -> global offset (`OffsetExpertLoRA`, engines) or cut to the rank's experts
+# (`shard_lora`, learners). Expert-adapter gradients appear only on the owning rank: with the adapter
+# whole on every rank, summing LoRA gradients over the group gives the union-batch gradient; with
+# `shard_lora` the owner's shard gradient already is.
 
 __all__ = [
     "EPStats",

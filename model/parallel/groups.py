@@ -1,21 +1,15 @@
 """Process groups for expert and context parallelism, and a local N-process launcher for tests.
 
-What: `ParallelGroups` names the torch.distributed groups one replica (an engine or a learner)
-computes with: the world, the expert-parallel (EP) group that shards routed experts and exchanges
-tokens, and the data-parallel (DP) group of ranks that hold the same expert shard (the group a
-learner all-reduces expert-adapter gradients over). `launch_local` runs a function on N local
-processes (gloo on CPU, NCCL on GPUs) and returns what each rank returned.
+What: `ParallelGroups` names the groups one replica (engine or learner) computes with: the world, the
+expert-parallel (EP) group that shards routed experts and exchanges tokens, and the data-parallel
+(DP) group of ranks holding the same expert shard. World ranks form a [dp, ep] grid: EP groups are
+contiguous rank ranges (an EP all-to-all stays in a node when ep_size <= GPUs per node), DP groups
+stride by ep_size; DCP takes any group. `launch_local` runs a function on N local processes (gloo on
+CPU, NCCL on GPUs). Why: the same parallel code runs on one process, on N CPU processes (the tests)
+and on N GPUs.
 
-Why: the same parallel code runs on one process (no torch.distributed at all: every group has size
-1 and the collectives are skipped), on N CPU processes with gloo (the tests) and on N GPUs with NCCL.
-
-Layout: world ranks form a [dp, ep] grid, EP groups are contiguous rank ranges (so an EP all-to-all
-stays inside one node when ep_size <= GPUs per node), DP groups stride by ep_size. Decode-context
-parallel (model/parallel/context_parallel.py) takes any group; a DCP replica passes `ep_group` (the
-replica's ranks) or the world.
-
-Invariants: `ParallelGroups.build` is collective (every rank calls it, in the same order, because
-`dist.new_group` is); a group of size 1 never issues a collective.
+Invariants: `ParallelGroups.build` is collective (every rank calls it in the same order, as
+`dist.new_group` requires); a group of size 1 never issues a collective.
 """
 
 from __future__ import annotations

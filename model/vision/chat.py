@@ -1,22 +1,15 @@
 """Chat messages with images -> token ids with image placeholders, and the processed images.
 
-What: `chat_to_ids_and_images(messages, tokenizer, config)` accepts OpenAI-style messages whose
-`content` is a string or a list of parts ({"type": "text", "text": ...} and
-{"type": "image_url", "image_url": {"url": ...}}) and returns the prompt ids in which image i is
-written as [vision_start] + num_tokens_i x [image_token_id] + [vision_end] (upstream's processor
-layout; the brackets are skipped when the config has none), plus the `ProcessedImage`s in order.
+What: `chat_to_ids_and_images(messages, tokenizer, config)` takes OpenAI-style messages (string
+content or text / image_url parts) and returns prompt ids in which image i is written as
+[vision_start] + num_tokens_i x [image_token_id] + [vision_end] (upstream's layout; no brackets when
+the config has none), plus the `ProcessedImage`s in order. Each image part becomes a private-use
+sentinel, the tokenizer's own chat template renders the messages, and the text pieces between
+sentinels are encoded separately, so it works for any tokenizer (the byte tokenizer's ids 0-258
+never reach the tiny vision preset's placeholder ids 500-503).
 
-How: each image part is replaced by a private-use sentinel string, the messages are rendered by
-the tokenizer's own chat template (common/tokenizer.py's interface: `apply_chat_template`, `encode`),
-the rendered text is split at the sentinels and each text piece is encoded separately; the
-placeholder ids are inserted between the pieces. This works for any tokenizer, including the
-byte tokenizer of the tiny presets, whose ids (0-258) never reach the tiny vision preset's
-placeholder ids (500-503).
-
-Invariants: the number of placeholder ids equals the sum of the images' token counts, in image
-order, so `merge_image_features` can place `image_features` rows directly; text can never
-produce a placeholder id (text that tokenizes to one is refused), so user text cannot shift the
-image features.
+Invariants: placeholder ids equal the images' token counts, in image order, so `merge_image_features`
+places rows directly; text can never produce a placeholder id (such text is refused).
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Configuration of the M3 family's vision side: tower, projector, image tokens, preprocessing, limits.
 
-What: `VisionConfig`, one validated dataclass holding everything that turns an image into text-width
+What: `VisionConfig`, one validated dataclass for everything that turns an image into text-width
 embeddings at placeholder positions: the CLIP-style tower (`vision_config` of a `minimax_m3_vl`
-config.json), the two projector MLPs (`multi_modal_projector`, `patch_merge_mlp`), the placeholder
-token ids, the image preprocessing constants (upstream's image processor) and the request limits.
-`from_hf_dict` / `to_hf_dict` read and write the HF split: the `vision_config` dict plus the
-multimodal keys at the top level of config.json (`image_token_index`, `projector_hidden_size`, ...).
-
-Facts (transformers 5.19 `minimax_m3_vl`, vLLM's `minimax_m3` vision tower, the released config):
-  - tower: hidden 1280, 32 layers, 16 heads (head_dim 80), MLP 5120 (exact-erf GELU), LayerNorm
-    eps 1e-5; Conv3d patch embedding (no bias) over 2 frames x 14 x 14 x 3 channels; 3D RoPE
-    (theta 1e4) on the first 3 * 26 = 78 of 80 head dims; attention per image, no causal mask;
-  - projector: per patch 1280 -> 6144 -> GELU -> text hidden 6144; then 2x2 neighbouring patches
-    concatenated (24576) -> 6144 -> GELU -> 6144, one token per merged 2x2 group; all with bias;
-  - tokens: image placeholder 200025, video 200026; each image is written as
-    `]<]start of image[>[` (200029) + n x `]<]image[>[` + `]<]end of image[>[` (200030);
-  - preprocessing: resize so both sides are multiples of 28 (patch x merge) with the area kept in
-    [3136, 451584] (at most 576 tokens per image), bicubic; x / 255, CLIP mean/std normalisation.
-The released config.json spells the tower's merge/temporal sizes inside
-`img_token_compression_config` and its RoPE base as `rope_theta`; transformers' port writes them flat
-and as `rope_parameters`. Both are read.
+config.json), the two projector MLPs, the placeholder token ids, the preprocessing constants and the
+request limits. `from_hf_dict` / `to_hf_dict` read and write the HF split (the `vision_config` dict
+plus the multimodal keys at the top level of config.json); both spellings of the released config
+(`img_token_compression_config`, `rope_theta`) and of transformers' port (flat, `rope_parameters`)
+are read.
 
 Invariants: `from_hf_dict(*cfg.to_hf_dict(), text_hidden_size=cfg.text_hidden_size) == cfg`; an
-unknown key raises, naming it; keys describing variants this module does not implement are accepted
-only with the released value.
+unknown key raises, naming it; keys for variants not implemented are accepted only at the released value.
 """
 
 from __future__ import annotations
@@ -33,6 +19,17 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+# Facts (transformers 5.19 `minimax_m3_vl`, vLLM's `minimax_m3` vision tower, the released config):
+# - tower: hidden 1280, 32 layers, 16 heads (head_dim 80), MLP 5120 (exact-erf GELU), LayerNorm eps
+#   1e-5; Conv3d patch embedding (no bias) over 2 frames x 14 x 14 x 3 channels; 3D RoPE (theta 1e4)
+#   on the first 3 * 26 = 78 of 80 head dims; attention per image, no causal mask;
+# - projector: per patch 1280 -> 6144 -> GELU -> 6144; then 2x2 neighbouring patches concatenated
+#   (24576) -> 6144 -> GELU -> 6144, one token per merged group; all with bias;
+# - tokens: image placeholder 200025, video 200026; an image is written as `]<]start of image[>[`
+#   (200029) + n x `]<]image[>[` + `]<]end of image[>[` (200030);
+# - preprocessing: resize so both sides are multiples of 28 (patch x merge) with the area kept in
+#   [3136, 451584] (at most 576 tokens per image), bicubic; x / 255, CLIP mean/std normalisation.
 
 VisionWeightDtype = Literal["bf16", "mxfp8", "nvfp4"]
 

@@ -1,20 +1,14 @@
 """LoRA on the vision projector: the one part of the frozen vision side an adapter may change.
 
 What: `apply_projector_lora(model, r, alpha, ...)` wraps the projector linears
-(`multi_modal_projector.linear_{1,2}` and/or `patch_merge_mlp.linear_{1,2}`) of a `VisionModel` (or
-of a causal LM's `.vision`) in model/layers/lora.py's `LoRALinear`. The tower itself stays frozen.
+(`multi_modal_projector.linear_{1,2}` and/or `patch_merge_mlp.linear_{1,2}`) in `LoRALinear`; the tower
+stays frozen. Why a separate step (after `apply_lora`): the text `apply_lora` targets plain
+`nn.Linear`s by leaf name, and the vision linears are `VisionLinear`s precisely so it never touches them.
 
-Why a separate entry point: the text model's `apply_lora` targets plain `nn.Linear`s by leaf name
-(`q_proj`, ...); the vision linears are `VisionLinear`s precisely so that it never touches them
-(model/vision/tower.py). Adapting the projector is an explicit, second step, called after
-`apply_lora` (which refuses a model that already holds adapters).
-
-Invariants: the adapter tensors are ordinary LoRA tensors (`...linear_1.lora_A.weight`), so
-`lora_state_dict`, `load_lora_state_dict`, adapter-only sync and the engine's `set_adapter` move
-them with the rest; B starts at zero (features unchanged until trained); A is drawn on the CPU from
-`seed`, as apply_lora does. With a projector adapter image features depend on the adapter version:
-`VisionModel.encode_images` then runs with autograd, and the native engine drops its feature cache
-on every `set_adapter`.
+Invariants: the adapter tensors are ordinary LoRA tensors (`...linear_1.lora_A.weight`), so sync,
+checkpoints and `set_adapter` move them with the rest; B starts at zero, A is drawn on the CPU from
+`seed`; with a projector adapter, image features depend on the adapter version (`encode_images` runs
+with autograd and the native engine drops its feature cache on every `set_adapter`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Image inputs: OpenAI-style content parts -> checked, decoded, resized, normalised patch rows.
 
-What: `image_bytes_from_part` reads the bytes an `image_url` content part points at (a base64 data
-URL, a `file://` URL or a local path; http(s) is refused: the machines have no network), then
-`preprocess_image` decodes them with PIL and produces what the tower consumes:
-  pixel_values [P, C*T*p*p] fp32, one row per 14x14 patch, rows in merge-block-major order (the 2x2
-  patches that become one text token are consecutive), each row laid out (channel, frame, y, x)
-  with the single image frame repeated T = temporal_patch_size times;
-  grid (1, H/p, W/p) and the token count P / merge^2.
+What: `image_bytes_from_part` reads the bytes an `image_url` part points at (a base64 data URL, a
+`file://` URL or a local path; http(s) is refused: the machines have no network); `preprocess_image`
+decodes them with PIL into what the tower consumes: pixel_values [P, C*T*p*p] fp32 (one row per 14x14
+patch, merge-block-major), the grid (1, H/p, W/p) and the token count P / merge^2. Numerics follow
+upstream's image processor (smart_resize, antialiased bicubic on uint8, CLIP normalisation).
 
-Numerics (upstream's image processor): smart_resize keeps the aspect ratio, makes both sides
-multiples of patch x merge (28) and keeps the area in [min_pixels, max_pixels]; resampling is
-antialiased bicubic on the uint8 values with the result rounded back to uint8 (what transformers'
-torchvision backend does; here `torch.nn.functional.interpolate`, since torchvision is not
-installed); then x / 255 and (x - mean) / std per channel (CLIP constants).
-
-Limits and errors: every check runs before the expensive step it protects. Encoded size
-(`max_image_bytes`) is checked before base64 decoding or reading a file, the declared width x height
-(`max_source_pixels`) from the header before pixels are decoded, the count per request
-(`max_images_per_request`) before any image is touched. Malformed input raises `ImageInputError`
-(a ValueError) naming the part, what is wrong and the fix.
+Invariants: every limit is checked before the expensive step it protects (encoded size before base64
+decoding or reading a file, declared width x height before decoding pixels, the image count before
+any image is touched); malformed input raises `ImageInputError` (a ValueError) naming the part, the
+fault and the fix.
 """
 
 from __future__ import annotations
@@ -39,6 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from model.vision.config import VisionConfig
+
+# Rows: the 2x2 patches that become one text token are consecutive; each row is laid out
+# (channel, frame, y, x) with the single frame repeated T = temporal_patch_size times.
+# smart_resize keeps the aspect ratio, makes both sides multiples of patch x merge (28) and keeps the
+# area in [min_pixels, max_pixels]; resampling is antialiased bicubic on the uint8 values rounded back
+# to uint8 (transformers' torchvision backend; here `torch.nn.functional.interpolate`, torchvision is
+# not installed); then x / 255 and (x - mean) / std per channel. Limits: `max_image_bytes`,
+# `max_source_pixels` (from the header), `max_images_per_request`.
 
 try:
     from PIL import Image, UnidentifiedImageError
@@ -219,7 +218,7 @@ def patchify(x_CHW: torch.Tensor, config: VisionConfig) -> torch.Tensor:
 def preprocess_image(
     image: Image.Image | bytes, config: VisionConfig, where: str = "image"
 ) -> ProcessedImage:
-    """Decoded (or encoded) image -> ProcessedImage (see the module docstring for the layout)."""
+    """Decoded (or encoded) image -> ProcessedImage (layout: module notes)."""
     data = image if isinstance(image, bytes | bytearray) else None
     if data is not None:
         image = decode_image(bytes(data), config, where)

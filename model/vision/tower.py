@@ -1,33 +1,14 @@
 """The M3 family's vision tower and projector, and the placement of image features in the text stream.
 
-What: `VisionModel` holds the three checkpoint modules under their on-disk names
-  vision_tower.vision_model.{embeddings.patch_embedding, pre_layrnorm, encoder.layers.{i}.*}
-  multi_modal_projector.{linear_1, linear_2}      per patch: vision hidden -> text hidden
-  patch_merge_mlp.{linear_1, linear_2}            per 2x2 patch group: 4 x text hidden -> text hidden
-so `state_dict()` names equal the released checkpoint's and loading is a straight copy
-(model/vision/weights.py). `image_features(pixel_values, grids)` runs patch embedding -> pre-norm
--> CLIP encoder layers (pre-norm attention with 3D RoPE, exact GELU MLP) -> projector -> patch
-merge and returns one text-width row per image token, images in the order given.
-`merge_image_features` writes those rows over the placeholder positions of the text embeddings.
+What: `VisionModel` (patch embedding -> pre-norm -> CLIP encoder layers with 3D RoPE -> projector ->
+2x2 patch merge) under the released checkpoint's module names, so loading is a straight copy
+(model/vision/weights.py); `image_features(pixel_values, grids)` gives one text-width row per image
+token; `merge_image_features` writes them over the placeholder embeddings.
 
-Numerics: attention is bidirectional and restricted to one image (videos: one segment of at most
-`vision_segment_max_frames` frames), as vLLM's port of the reference does with cu_seqlens; the
-transformers port runs all images of a call as one sequence, which agrees for a single image only.
-RoPE positions are (frame, patch row, patch column) with rows/columns laid out merge-block-major like
-the patch rows; each axis rotates `rope_axis_dim` dims with inv_freq = theta^(-2i/axis_dim); the
-three frequency sets are concatenated and rotated NeoX-style (halves) over the first `rotary_dim`
-dims of each head, in fp32. There is no post-encoder LayerNorm (the release ships none).
-
-Invariants: images never attend to each other, so an image's features do not depend on what else is
-in the batch (they can be cached per image, and `encode_images` computes a repeated image once); the
-patch embedding (a Conv3d with stride = kernel) is computed as the equivalent matmul on the flattened
-(channel, frame, y, x) rows. Every linear is a `VisionLinear`, a distinct type: the text model's
-LoRA (model/layers/lora.py) adapts plain `nn.Linear`s by leaf name, and the tower's attention is
-also spelled `self_attn.q_proj`, so the frozen tower is never adapted by accident; the projector
-takes an adapter only through `apply_projector_lora` (model/vision/lora.py).
-
-Legend: P patches (rows of pixel_values), K patch values (C*T*p*p), D vision hidden, H heads,
-d head dim, E text hidden, N image tokens (P / merge^2), S/B text sequence and batch.
+Invariants: attention is bidirectional within one image only (as vLLM's port, via cu_seqlens), so an
+image's features do not depend on the batch and can be cached (`encode_images` computes a repeated
+image once); every linear is a `VisionLinear`, so the text LoRA never adapts the frozen tower by
+accident (the projector takes an adapter only through `apply_projector_lora`).
 """
 
 from __future__ import annotations
@@ -40,6 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.vision.config import VisionConfig
+
+# Legend: P patches (rows of pixel_values), K patch values (C*T*p*p), D vision hidden, H heads,
+# d head dim, E text hidden, N image tokens (P / merge^2), S/B text sequence and batch.
+#
+# Checkpoint modules: vision_tower.vision_model.{embeddings.patch_embedding, pre_layrnorm,
+# encoder.layers.{i}.*}; multi_modal_projector.{linear_1, linear_2} (per patch: vision hidden -> text
+# hidden); patch_merge_mlp.{linear_1, linear_2} (per 2x2 group: 4 x text hidden -> text hidden).
+# Videos: one segment of at most `vision_segment_max_frames` frames attends together; the
+# transformers port runs all images of a call as one sequence, which agrees for a single image only.
+# RoPE positions are (frame, patch row, patch column), rows/columns laid out merge-block-major like
+# the patch rows; each axis rotates `rope_axis_dim` dims with inv_freq = theta^(-2i/axis_dim); the
+# three sets are concatenated and rotated NeoX-style over the first `rotary_dim` dims, in fp32. No
+# post-encoder LayerNorm (the release ships none). The patch embedding (a Conv3d, stride = kernel) is
+# the equivalent matmul on flattened (channel, frame, y, x) rows. The tower's attention is also
+# spelled `self_attn.q_proj`, hence the distinct `VisionLinear` type.
 
 if TYPE_CHECKING:
     from model.vision.preprocess import ProcessedImage

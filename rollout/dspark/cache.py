@@ -1,24 +1,15 @@
 """The drafter's context store and the target pass that fills it.
 
-What:
-- `DraftCache`: per token, every drafter layer's context K/V ([layers, 2, G, C], the drafter's
-  dtype) in pages that share the target cache's page ids, slots and page size. A token at slot
-  s in the target's KV cache has its drafter context at slot s here, so everything the engine
-  does to pages (allocation, prefix sharing, copy-on-write, preemption, rollback) applies to both
-  with no extra bookkeeping beyond `copy_pages`.
-- `forward_cached_hidden`: the target's `forward_cached`, layer by layer through the model's own
-  modules (same ops in the same order, hence the same logits), that also returns the residual
-  stream after the drafter's `target_layer_ids`. The drafter needs those states and
-  `MiniMaxM3ForCausalLM.forward_cached` does not expose them.
-- `target_hidden`: the same capture for the full-sequence training forward.
+What: `DraftCache` holds per token every drafter layer's context K/V ([layers, 2, G, C]) in pages that
+share the target cache's page ids, slots and page size, so everything the engine does to pages
+(allocation, prefix sharing, copy-on-write, preemption, rollback) applies to both with only
+`copy_pages` extra. `forward_cached_hidden` is the target's `forward_cached` run layer by layer
+through the model's own modules (same ops, same logits) that also returns the residual stream after
+the drafter's `target_layer_ids`; `target_hidden` is the same capture for the training forward.
 
-Rollback invariant (as in model/kv_cache.py): a sequence's length is the only truth; slots past
-it are stale, never read, and overwritten by the next write at those positions. Entries are
-per token (no cross-token scales), so truncating a length leaves every kept slot exactly as a run
-that never wrote the rejected tokens left it.
-
-Legend: T flattened tokens, B sequences, S context length, P block-table width, L layers read,
-D hidden, V vocab.
+Invariant (as model/kv_cache.py): a sequence's length is the only truth; entries are per token (no
+cross-token scales), so truncating a length leaves every kept slot as a run that never wrote the
+rejected tokens left it.
 """
 
 from __future__ import annotations
@@ -29,6 +20,9 @@ import torch
 
 from model.kv_cache import KVCache, gather_sequences, slot_mapping
 from rollout.dspark.model import Drafter
+
+# Legend: T flattened tokens, B sequences, S context length, P block-table width, L layers read,
+# D hidden, V vocab.
 
 
 class DraftCache:

@@ -1,29 +1,12 @@
-"""The DSpark drafter (FACTS.md section 4): a few dense decoder layers that draft a block of tokens
-in one parallel pass over the target's hidden states, then a low-rank Markov head that makes the
-block's tokens depend on each other, and a confidence head that predicts their acceptance.
-
-What:
-- Context: the target's residual stream after `target_layer_ids` (L layers) is concatenated per
-  token, projected (Linear L*D -> D) and normed; every drafter layer turns these context vectors
-  into extra K/V with its own k/v projections (k-norm and RoPE at the token's position). The
-  engine stores them per token in pages keyed like the target's KV (rollout/dspark/cache.py).
-- Block pass: N = block_size positions (anchor = last verified token, then N - 1 learned mask
-  vectors) attend to the context (all of it) and to each other (non-causal inside the block);
-  block position k - 1 gives the base logits U_k of draft token k = 1..N through the target's
-  frozen lm_head (the embedding is the target's too; neither is a drafter parameter).
-- Markov head (rank r): logits_k = U_k + W2(W1[x_{k-1}]) with x_0 the anchor, sampled left to
-  right so each position conditions on the token actually drawn.
-- Confidence head: c_k = sigmoid(Linear([h_k ; W1[x_{k-1}]])), trained to predict the expected
-  acceptance 1 - TV(p_draft, p_target); the survival prod_{i<=k} c_i feeds the verify scheduler.
-
-Storage: `save_drafter(d, ckpt_dir)` writes `ckpt_dir/dspark/{config.json, model.safetensors}`
-(drafter parameters only); `load_drafter(ckpt_dir, target)` reads them back and binds the target.
+"""The DSpark drafter: a few dense decoder layers that draft a block of tokens in one parallel pass over
+the target's hidden states, a low-rank Markov head that makes the block's tokens depend on each
+other, and a confidence head that predicts their acceptance (docs/FACTS.md, "DSpark speculative
+decoding"). `save_drafter` / `load_drafter` keep drafter parameters only, under
+`ckpt_dir/dspark/{config.json, model.safetensors}`; the embedding and lm_head are the target's,
+frozen.
 
 Invariants: the drafter never changes the target's numbers (verification is lossless whatever it
 proposes); `draft` returns the exact distribution each token was drawn from (q for the verifier).
-
-Legend: B requests, S context tokens, M block-query tokens (A anchors x N), N block size,
-L target layers read, D hidden, H heads, G kv heads, C head dim, V vocab, R Markov rank.
 """
 
 from __future__ import annotations
@@ -43,6 +26,19 @@ from model.config import ModelConfig
 from model.layers.norm import RMSNorm
 from model.layers.rope import apply_rope, rope_cos_sin
 from rollout.native import sampler
+
+# Legend: B requests, S context tokens, M block-query tokens (A anchors x N), N block size,
+# L target layers read, D hidden, H heads, G kv heads, C head dim, V vocab, R Markov rank.
+#
+# Context: the target's residual stream after `target_layer_ids` (L layers), concatenated per token,
+# projected (Linear L*D -> D) and normed; each drafter layer turns it into extra K/V with its own
+# k/v projections (k-norm and RoPE at the token's position), stored by the engine in pages keyed like
+# the target's KV (rollout/dspark/cache.py). Block pass: N positions (anchor = last verified token,
+# then N - 1 learned mask vectors) attend to all the context and, non-causally, to each other; block
+# position k - 1 gives the base logits U_k of draft token k through the target's lm_head. Markov
+# head: logits_k = U_k + W2(W1[x_{k-1}]), x_0 the anchor, sampled left to right. Confidence head:
+# c_k = sigmoid(Linear([h_k ; W1[x_{k-1}]])), trained towards 1 - TV(p_draft, p_target); the
+# survival prod_{i<=k} c_i feeds the verify scheduler.
 
 DSPARK_DIR = "dspark"
 CONFIG_FILE = "config.json"

@@ -1,19 +1,13 @@
-"""The engine's side of DSpark: drafter, its paged context store, the target pass that feeds it,
-and the choice of how much to verify. The native engine (rollout/native/engine.py) owns the batch
-and the bookkeeping; this object owns everything speculative that is not bookkeeping.
+"""The engine's side of DSpark: drafter, its paged context store, the target pass that feeds it, and
+the choice of how much to verify. The native engine owns the batch and the bookkeeping; this object
+owns everything speculative that is not bookkeeping.
 
-Per engine step with speculation (engine order):
-1. `draft(...)`: one batched drafter pass for every decoding sequence (anchor = its last token,
-   context = its cached tokens), a block of N tokens each.
-2. `choose(...)`: drafts to verify per sequence, a prefix each (fixed or confidence-scheduled,
-   rollout/dspark/schedule.py).
-3. `forward(...)`: the target runs prefill chunks and [anchor, drafts] of every sequence in ONE
-   `forward_cached`-equivalent pass, returning logits and writing the drafter context of every
-   token it ran (rejected drafts' entries are stale slots past the sequence's length afterwards,
-   exactly like their target KV).
-4. the engine calls rollout.dspark.verify.verify and rolls lengths back.
-
-Legend: B decoding sequences drafting this step, N block size, T tokens of the step, P pages.
+Per engine step: `draft(...)` (one batched drafter pass, a block of N tokens for every decoding
+sequence), `choose(...)` (a prefix to verify per sequence, rollout/dspark/schedule.py), `forward(...)`
+(prefill chunks and [anchor, drafts] of every sequence in ONE target pass that also writes the
+drafter context of every token it ran), then the engine runs rollout.dspark.verify and rolls lengths
+back. Invariant: rejected drafts' context entries are stale slots past the sequence's length,
+exactly like their target KV.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from model.kv_cache import KVCache
 from rollout.dspark.cache import DraftCache, forward_cached_hidden, slots_of
 from rollout.dspark.model import Draft, Drafter
 from rollout.dspark.schedule import SpecConfig, StepCost, choose_num_verify, fit_step_cost, time_call
+
+# Legend: B decoding sequences drafting this step, N block size, T tokens of the step, P pages.
 
 
 class Proposer:

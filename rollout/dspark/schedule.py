@@ -1,23 +1,13 @@
 """How many drafted tokens to verify per request: fixed length or confidence-scheduled.
 
-What:
-- `SpecConfig`: the engine's speculative-decoding settings (mode, tokens verified at most).
-- `StepCost`: a pass's time as a linear function of its size: the target pass vs the tokens it
-  runs, t(T) = base_s + per_token_s * T, and the drafter pass vs the sequences drafting (paid
-  whatever is verified). The engine profiles both once (rollout/dspark/proposer.py `profile`).
-- `choose_num_verify`: given each request's survival S_bk = prod_{i<=k} c_bi (the drafter's
-  predicted chance that draft k is accepted), pick per request a prefix length k_b maximising
-      expected tokens / expected time = (sum_b (1 + sum_{k<=k_b} S_bk) + extra)
-                                        / (t_draft(B) + t(T0 + sum_b k_b)).
-  Because S_bk does not increase with k, the best choice takes the globally largest S values
-  first: sort them (ties keep k order, so each request's choice stays a prefix), evaluate the
-  ratio for every count and take the best. One host sync, for the chosen lengths.
+What: `SpecConfig` (mode, tokens verified at most); `StepCost` (a pass's time as base_s +
+per_token_s * T for the target, plus the drafter pass, profiled once by the proposer);
+`choose_num_verify`, which picks per request a prefix length maximising expected tokens per expected
+time from the drafter's survival S_bk = prod_{i<=k} c_bi. Why: on a memory-bound GPU a verify pass
+costs about the same for 1 or 8 extra tokens (verify everything); on a CPU or at high concurrency
+every verified token costs, and unlikely ones are not worth their time.
 
-Why: on a GPU a verify pass costs about the same for 1 or 8 extra tokens (memory bound): verify
-everything. On a CPU, or at high concurrency, every verified token costs; tokens unlikely to be
-accepted are then not worth their time.
-
-Legend: B requests speculating this step, N block size.
+Invariants: each request's choice is a prefix of its block; one host sync, for the chosen lengths.
 """
 
 from __future__ import annotations
@@ -29,13 +19,19 @@ from typing import Literal
 
 import torch
 
+# Legend: B requests speculating this step, N block size.
+#
+# The objective: (sum_b (1 + sum_{k<=k_b} S_bk) + extra) / (t_draft(B) + t(T0 + sum_b k_b)). Because
+# S_bk does not increase with k, the best choice takes the globally largest S values first: sort them
+# (ties keep k order, so each choice stays a prefix), evaluate the ratio for every count, keep the best.
+
 SpecMode = Literal["fixed", "scheduled"]
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """mode "fixed" verifies min(num_verify, block) drafts for every request; "scheduled" chooses
-    up to num_verify per request from the drafter's confidences (module docstring). num_verify
+    up to num_verify per request from the drafter's confidences (notes at the top of the module). num_verify
     None = the drafter's block size."""
 
     mode: SpecMode = "fixed"
@@ -97,7 +93,7 @@ def choose_num_verify(
     per_token_s: float,
     extra_value: float,
 ) -> list[int]:
-    """Per request the number of drafts to verify (module docstring). fixed_s: the step's time
+    """Per request the number of drafts to verify (notes at the top of the module). fixed_s: the step's time
     without any verified draft (drafter pass, target pass over anchors and prefill chunks);
     per_token_s: each verified draft's extra time; extra_value: tokens produced anyway (one per
     speculating request and per other sampled row)."""

@@ -1,29 +1,13 @@
-"""Drafter training by distillation from the target (FACTS.md section 4), and the cached drafter of
-the quickstart's tiny model.
+"""Drafter training by distillation from the target, and the cached drafter of the quickstart's tiny model.
 
     python -m rollout.dspark.train --target runs/_cache/quickstart-base --data arithmetic --out DIR
-    python -m rollout.dspark.train --target CKPT --adapter ADAPTER_DIR \
+    python -m rollout.dspark.train --target CKPT --adapter ADAPTER_DIR \\
         --data ../shared/data/dapo_math_17k.parquet --out DIR
 
-What:
-1. Data: prompts (the synthetic arithmetic task, or a verl-style parquet of prompts) completed by
-   the target itself through the native engine (`samples_per_prompt` samples at `temperature`
-   plus one greedy completion each), so the drafter learns the distribution it will be checked
-   against. The target runs with its own cache numerics (NVFP4 KV -> the forward's KV simulation).
-2. Features: one full-sequence target pass per batch captures the residual stream after the
-   drafter's `target_layer_ids` and the final hidden state (the target's next-token distribution
-   p = softmax(lm_head(h)) at T = 1), stored once for all epochs.
-3. Loss (`distill_loss`): per sequence A random anchors in the completion; block k = 1..N is
-   teacher-forced through the Markov head with the data tokens; per position
-   0.1 * CE(data token) + 0.9 * TV(q_k, p_k) + 1.0 * BCE(c_k, 1 - TV(q_k, p_k)) (TV = half the L1
-   distance: the sampling rejection probability), weighted exp(-(k - 1) / 4) and averaged.
-4. Logs: loss terms and accepted-length estimates on held-out sequences: greedy
-   (1 + sum_k prod_{i<=k} [argmax q_i == argmax p_i]) and sampled (1 + sum_k prod_{i<=k} (1 - TV_i)),
-   both teacher-forced, i.e. tokens emitted per verification step with verify length N.
-Output: `OUT/dspark/{config.json, model.safetensors}` (rollout/dspark/model.py), with the target's
-fingerprint and the training summary in config.metadata.
-
-Legend: B sequences, S length, A anchors per sequence, N block size, L*D captured width, V vocab.
+The target completes the prompts itself through the native engine (so the drafter learns the
+distribution it is checked against), one target pass per batch captures the hidden states the
+drafter reads, and `distill_loss` is DSpark's (docs/FACTS.md, "DSpark speculative decoding"). Output:
+`OUT/dspark/{config.json, model.safetensors}` with the target's fingerprint and the training summary.
 """
 
 from __future__ import annotations
@@ -42,6 +26,18 @@ import torch.nn.functional as F
 
 from rollout.dspark.cache import target_hidden
 from rollout.dspark.model import DSPARK_DIR, Drafter, DSparkConfig, load_drafter, save_drafter
+
+# Legend: B sequences, S length, A anchors per sequence, N block size, L*D captured width, V vocab.
+#
+# Data: prompts (arithmetic, or a verl-style parquet) completed with `samples_per_prompt` samples at
+# `temperature` plus one greedy completion each, the target on its own cache numerics (NVFP4 KV ->
+# the forward's KV simulation). Features: the residual stream after `target_layer_ids` and the final
+# hidden state (p = softmax(lm_head(h)) at T = 1), stored once for all epochs. Loss: A random anchors
+# per sequence in the completion; block k = 1..N teacher-forced through the Markov head; per position
+# 0.1 * CE(data token) + 0.9 * TV(q_k, p_k) + 1.0 * BCE(c_k, 1 - TV(q_k, p_k)) (TV = half the L1
+# distance, the rejection probability), weighted exp(-(k - 1) / 4). Logged accepted-length estimates
+# on held-out sequences, teacher-forced with verify length N: greedy
+# 1 + sum_k prod_{i<=k} [argmax q_i == argmax p_i], sampled 1 + sum_k prod_{i<=k} (1 - TV_i).
 
 QUICKSTART_BASE = "runs/_cache/quickstart-base"
 QUICKSTART_DRAFTER = "runs/_cache/quickstart-dspark"
@@ -205,7 +201,7 @@ def distill_loss(
 def estimate_accept_len(
     drafter: Drafter, f: Features, gen: torch.Generator, anchors_per_seq: int = 4
 ) -> dict:
-    """Teacher-forced tokens per verification step (module docstring), greedy and sampled."""
+    """Teacher-forced tokens per verification step (notes at the top of the module), greedy and sampled."""
     anchors_BA, valid_BA = sample_anchors(f, anchors_per_seq, gen)
     o = block_outputs(drafter, f, anchors_BA)
     q_BANV = torch.softmax(o["logits"], dim=-1)

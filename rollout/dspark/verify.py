@@ -1,24 +1,15 @@
-"""Lossless verification of drafted blocks (speculative sampling, FACTS.md section 4).
+"""Lossless verification of drafted blocks: speculative sampling (docs/FACTS.md, DSpark section).
 
-What: `verify` takes, per request, the target's logits at the anchor and at each of its k drafted
-tokens (k + 1 rows), the drafted tokens and the distributions q they were drawn from, and decides
-how many drafts to keep:
-- sampling rows: draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); at the first
-  rejection a token is drawn from the residual norm(max(0, p_j - q_j)); if all k pass, a bonus
-  token is drawn from p_k. Here p is the distribution the plain engine samples from: the
-  temperature-scaled logits truncated by top-k / top-p / min-p (rollout/native/sampler.py), so
-  the emitted tokens are distributed exactly as the non-speculative engine's.
-- greedy rows (temperature 0): accept while the draft equals the target's argmax (first index on
-  ties, as the sampler), then emit the argmax at the first mismatch (or the bonus argmax): the
-  output equals plain greedy decoding token for token.
-Requests in one batch verify different numbers of drafts (`num_draft_B`, a prefix of each block).
+What: `verify` takes per request the target's logits at the anchor and at each of its k drafts, the
+drafted tokens and the distributions q they were drawn from, and keeps a prefix: sampling rows accept
+x_j with probability min(1, p_j(x_j) / q_j(x_j)), draw from norm(max(0, p_j - q_j)) at the first
+rejection and a bonus token from p_k if all pass, p being exactly the plain sampler's truncated
+distribution (rollout/native/sampler.py); greedy rows accept while the draft equals the target's
+argmax (first index on ties). Requests verify different numbers of drafts (`num_draft_B`).
 
-Returned log-probs are the target's, by rollout/engine.py's convention (temperature-scaled,
-before truncation), for every emitted token.
-
-Host syncs: none (the caller syncs once on `num_accepted_B`).
-
-Legend: B requests, K drafted tokens verified at most (rows K + 1), V vocab.
+Invariants: emitted tokens are distributed exactly as the non-speculative engine's (greedy: equal
+token for token); returned log-probs are the target's, by rollout/engine.py's convention; no host
+sync (the caller syncs once on `num_accepted_B`).
 """
 
 from __future__ import annotations
@@ -28,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from rollout.native import sampler
+
+# Legend: B requests, K drafted tokens verified at most (rows K + 1), V vocab.
 
 
 @dataclass

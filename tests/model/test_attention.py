@@ -48,7 +48,7 @@ def make_x(S: int, D: int, seed: int = 1, dyadic: bool = False, B: int = 1) -> t
 
 
 def select_loop(scores: list[float], q_block: int, topk: int, local: int, init: int) -> list[int]:
-    """Brute-force statement of the MSA selection rule (FACTS section 2)."""
+    """Brute-force statement of the MSA selection rule (docs/FACTS.md, "MSA and the lightning indexer")."""
     forced: list[int] = []
     for b in [q_block - d for d in range(local)] + list(range(init)):
         if 0 <= b <= q_block and b not in forced:

@@ -199,7 +199,7 @@ def test_experts_op_bad_inputs_raise_clear_errors():
 
 # ------------------------------------------------------------------------------- router
 def _facts_router(x_TD, gate_ED, bias_E, top_k, scale):
-    """FACTS 2, written per token: choose by sigmoid + bias, weight by renormalised sigmoid x scale."""
+    """docs/FACTS.md's router per token: pick by sigmoid + bias, weight by renormalised sigmoid x scale."""
     ids, weights = [], []
     for x_D in x_TD.double():
         scores = torch.sigmoid(gate_ED.double() @ x_D)

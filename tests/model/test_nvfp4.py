@@ -206,7 +206,7 @@ def test_golden_vectors_reproduce_codes_scales_and_dequant():
 
 
 def test_golden_tie_case_rounds_ties_to_even_mantissa():
-    # FACTS table: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6 (scale exactly 1).
+    # docs/FACTS.md: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4, 6->6 (scale exactly 1).
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
     x = torch.cat([ties, -ties]).unsqueeze(0)
     t = quantize(x, 1.0)
