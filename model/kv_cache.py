@@ -31,9 +31,13 @@ Invariants:
 - No host syncs in append / gather (lengths are Python ints owned by the caller).
 - Plain NVFP4 appends run the fused Triton quantize-and-store kernel on CUDA
   (`model.kernels.triton_kv_append`, byte-identical to `quantize_kv`); everything else is torch.
+- Under `static_shapes()` (the engine's padded decode, CUDA-graph capture) the paged ops size their
+  work from host-known bounds (block-table width x page) instead of reading lengths on the host.
 """
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -127,6 +131,35 @@ def _triton_append_ok(dtype: KVDtype, x: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+_STATIC = threading.local()
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Within: no op of the decode path reads device values on the host (capture-safe fixed shapes)."""
+    before = getattr(_STATIC, "on", False)
+    _STATIC.on = True
+    try:
+        yield
+    finally:
+        _STATIC.on = before
+
+
+def is_static_shapes() -> bool:
+    """True inside `static_shapes()` or while the current CUDA stream is capturing a graph."""
+    if getattr(_STATIC, "on", False):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def max_len_bound(seq_lens_B: torch.Tensor, block_tables_BP: torch.Tensor, page_size: int) -> int:
+    """Keys to gather per sequence: the longest length (one host sync), or under `static_shapes()` the
+    block tables' capacity (no sync; the extra slots are masked as invalid by the callers)."""
+    if is_static_shapes():
+        return block_tables_BP.shape[1] * page_size
+    return int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
 
 
 def slot_mapping(
