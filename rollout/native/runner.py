@@ -25,6 +25,7 @@ from rollout.native import sampler
 logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_TABLE_WIDTH = 8  # pages: short sequences share one capture instead of re-capturing at 1, 2, 4 pages
 _ALIGN = 8  # bytes: every packed field starts 8-byte aligned so any dtype view is legal
 _NP = {torch.int64: np.int64, torch.float32: np.float32}
 
@@ -142,6 +143,7 @@ class ModelRunner:
         self._static_views: dict[str, torch.Tensor] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_captures = 0  # times the bucket graphs were (re)captured
+        self.graph_error: str | None = None  # why capture failed (graphs then off), None if it did not
         self.static_steps = 0  # steps that ran the static path (eager or replayed)
 
     # ------------------------------------------------------------------ staging
@@ -214,7 +216,7 @@ class ModelRunner:
         """Static buffers (and graphs) for block tables of >= `need` pages; growing re-captures."""
         if need <= self._width:
             return
-        W = 1 << max(need - 1, 0).bit_length()
+        W = max(MIN_TABLE_WIDTH, 1 << max(need - 1, 0).bit_length())
         if self._graphs:
             logger.info("cuda graphs: block-table width %d -> %d pages, re-capturing %d buckets",
                         self._width, W, len(self.buckets))  # fmt: skip
@@ -283,23 +285,38 @@ class ModelRunner:
         return self.static_forward(bs)[:n]
 
     def _capture_all(self) -> None:
-        """Capture every bucket, largest first, in one memory pool (buffers hold only padded rows now:
-        warm-up and capture write nothing but the scratch page). Warm-up runs first on the capture
-        stream: Triton autotuning and per-stream kernel scratch must not happen inside a capture."""
+        """Capture every bucket, largest first, in one memory pool. A failure (an op that is not
+        capture-safe) is logged once and turns graphs off: the static path then runs eagerly."""
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         pool = None
-        with torch.cuda.stream(stream):
+        try:
             for bs in reversed(self.buckets):
-                for _ in range(2):
-                    self.static_forward(bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out_BV = self.static_forward(bs)
-                pool = graph.pool()
-                self._graphs[bs] = (graph, out_BV)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+                pool = self.capture_bucket(bs, pool, stream)
+        except Exception as exc:  # any capture failure falls back to eager (logged)
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("cuda graphs off: capture failed (%s); running the padded passes eagerly",
+                           self.graph_error)  # fmt: skip
+            self._graphs.clear()
+            self.cuda_graphs = False
+            return
         self.num_captures += 1
+
+    def capture_bucket(self, bs: int, pool=None, stream: torch.cuda.Stream | None = None):
+        """Warm up and capture bucket `bs` (the static buffers hold only padded rows then: warm-up and
+        capture write nothing but the scratch page); returns the memory pool for the next capture.
+        Warm-up runs on the capture stream first: Triton autotuning and per-stream kernel scratch
+        (model.kernels.triton_gemv.split_counters) must not first happen inside a capture."""
+        stream = stream or torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.static_forward(bs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out_BV = self.static_forward(bs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graphs[bs] = (graph, out_BV)
+        return graph.pool()
 
     def poison_padding(self, n: int, generator: torch.Generator) -> None:
         """Tests: garbage in the padded rows (>= n) of the static buffers: token ids, positions inside the
