@@ -223,7 +223,7 @@ class ModelRunner:
         self._graphs.clear()
         self._width = W
         Bm = self.buckets[-1]
-        nbytes = 8 * (5 * Bm + Bm * W) + 4 * 4 * Bm
+        nbytes = 8 * (5 * Bm + Bm * W) + 3 * -(-4 * Bm // _ALIGN) * _ALIGN  # the layout of _static_fields
         self._static = _Staging(self.device, fixed_bytes=nbytes)
         self._fill_static([], [], [], [], [], [], [], [])  # every row padded: capture writes only scratch
         if self.cuda_graphs:
