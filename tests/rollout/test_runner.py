@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
@@ -107,3 +108,45 @@ def test_garbage_in_padded_rows_changes_no_real_row(model):
 def test_cuda_graphs_on_a_cpu_model_is_refused(model):
     with pytest.raises(ValueError, match="CUDA"):
         NativeEngine(model, max_pages=8, cuda_graphs=True)
+
+
+class _HostSyncDetector(TorchDispatchMode):
+    """Records every op that needs device values on the host (a sync on CUDA, a capture breaker):
+    scalar reads, data-dependent output sizes, boolean-mask indexing."""
+
+    SYNC_OPS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "bincount", "repeat_interleave")
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if any(op in name for op in self.SYNC_OPS):
+            self.found.append(name)
+        if "index" in name and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            for a in args
+            if isinstance(a, list | tuple)
+            for t in a
+        ):
+            self.found.append(f"{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kv", ["fp32", "nvfp4"])
+def test_static_decode_pass_reads_no_device_value_on_the_host(kv):
+    """The padded pass CUDA graphs capture, run on the CPU: no op that would sync (or break capture)."""
+    m = build(seed=2) if kv == "fp32" else build(seed=2, kv_cache_dtype="nvfp4")
+    extra = dict(kv_dtype="fp32", index_dtype="fp32") if kv == "fp32" else {}
+    eng = NativeEngine(m, max_pages=16, static_decode=True, max_num_seqs=4, **extra)
+    eng.generate([Request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts([20, 7], 5)])
+    detector, control = _HostSyncDetector(), _HostSyncDetector()
+    with torch.inference_mode(), detector:
+        eng.runner.static_forward(4)
+    assert detector.found == []
+    v, W = eng.runner._static_views, eng.runner._width
+    with torch.inference_mode(), control:  # the same pass outside static_shapes: the detector sees syncs
+        eng.model.forward_cached(v["ids"][:4], v["pos"][:4], v["seq"][:4], eng.cache,
+                                 v["table"][: 4 * W].view(4, W), v["lens"][:4])  # fmt: skip
+    assert control.found
