@@ -28,6 +28,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_TABLE_WIDTH = 8  # pages: short sequences share one capture instead of re-capturing at 1, 2, 4 pages
 _ALIGN = 8  # bytes: every packed field starts 8-byte aligned so any dtype view is legal
 _NP = {torch.int64: np.int64, torch.float32: np.float32}
+_ITEMSIZE = {torch.int64: 8, torch.float32: 4}
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -89,13 +90,13 @@ class _Staging:
         offsets, off = [], 0
         for _, dtype, values, _ in fields:
             offsets.append(off)
-            off += -(-len(values) * _itemsize(dtype) // _ALIGN) * _ALIGN
+            off += -(-len(values) * _ITEMSIZE[dtype] // _ALIGN) * _ALIGN
         total = max(off, _ALIGN)
         host = self._host(total)
         host_np = host.numpy()
         for (_, dtype, values, _), o in zip(fields, offsets):
             if values:
-                host_np[o : o + len(values) * _itemsize(dtype)].view(_NP[dtype])[:] = values
+                host_np[o : o + len(values) * _ITEMSIZE[dtype]].view(_NP[dtype])[:] = values
         if self.dev.numel() < total:
             if self.fixed:
                 raise RuntimeError(f"static buffer of {self.dev.numel()} B cannot hold {total} B")
@@ -108,13 +109,9 @@ class _Staging:
         else:
             self.dev[:total].copy_(host[:total])
         return {
-            name: self.dev[o : o + len(values) * _itemsize(dtype)].view(dtype).view(shape)
+            name: self.dev[o : o + len(values) * _ITEMSIZE[dtype]].view(dtype).view(shape)
             for (name, dtype, values, shape), o in zip(fields, offsets)
         }
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -256,7 +253,7 @@ class ModelRunner:
         self._fill_static(inputs.token_ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
                           inputs.temperature, top_k, top_p, min_p)  # fmt: skip
         v = self._static_views
-        views = {"static_bs": torch.empty(0), "temperature": v["temperature"][:n]}
+        views = {"static_bs": torch.empty(0), "temperature": v["temperature"][:n]}  # key marks the path
         for k, off in (("top_k_B", 0), ("top_p_B", 1.0), ("min_p_B", 0.0)):
             if any(x != off for x in getattr(inputs, k[:-2])):
                 views[k] = v[k][:n]
