@@ -33,8 +33,17 @@ from rollout.native import NativeEngine
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _original(exc: BaseException) -> BaseException:
+    """The first exception of a chain: a failed capture's own error is raised again by the graph's
+    capture_end in `torch.cuda.graph.__exit__`, which would hide the op that broke the capture."""
+    while exc.__context__ is not None or exc.__cause__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 def project_frame(exc: BaseException) -> str:
-    """The innermost frame of `exc`'s traceback inside this repository: where the failing op is called."""
+    """The innermost frame inside this repository of the chain's first exception: the failing op's call."""
+    exc = _original(exc)
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if str(ROOT) in f.filename]
     if not frames:
         return "(no project frame)"
@@ -43,6 +52,7 @@ def project_frame(exc: BaseException) -> str:
 
 
 def first_line(exc: BaseException) -> str:
+    exc = _original(exc)
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 

@@ -290,6 +290,8 @@ class ModelRunner:
             for bs in reversed(self.buckets):
                 pool = self.capture_bucket(bs, pool, stream)
         except Exception as exc:  # any capture failure falls back to eager (logged)
+            while exc.__context__ is not None:  # the op's own error, not capture_end's re-raise of it
+                exc = exc.__context__
             self.graph_error = f"{type(exc).__name__}: {exc}"
             logger.warning("cuda graphs off: capture failed (%s); running the padded passes eagerly",
                            self.graph_error)  # fmt: skip
