@@ -42,6 +42,7 @@ def build(preset: str, layers: int, device: torch.device, dtype: torch.dtype, kv
         cfg = dataclasses.replace(
             cfg, num_hidden_layers=layers, layer_types=["minimax_m3_sparse"] * layers,
             mlp_layer_types=["sparse"] * layers,
+            quantization=dataclasses.replace(cfg.quantization, dense_mlp="bf16"),  # no dense layer left
         )  # fmt: skip
         from random_init import random_model_
 
