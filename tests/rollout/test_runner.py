@@ -150,3 +150,12 @@ def test_static_decode_pass_reads_no_device_value_on_the_host(kv):
         eng.model.forward_cached(v["ids"][:4], v["pos"][:4], v["seq"][:4], eng.cache,
                                  v["table"][: 4 * W].view(4, W), v["lens"][:4])  # fmt: skip
     assert control.found
+
+
+def test_cpu_engines_default_to_plain_eager_passes_and_a_prebuilt_cache_refuses_static_decode(model):
+    eng = NativeEngine(model, max_pages=8)
+    assert not eng.runner.static_decode and not eng.runner.cuda_graphs
+    assert eng.cache.num_pages == 8  # no scratch page unless the static path is on
+    assert NativeEngine(model, max_pages=8, static_decode=True).cache.num_pages == 9
+    with pytest.raises(ValueError, match="static_decode"):
+        NativeEngine(model, max_pages=8, static_decode=True, cache=model.new_kv_cache(9))
