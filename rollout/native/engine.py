@@ -343,23 +343,30 @@ class NativeEngine:
             and all(ch.num_new == 1 and ch.samples and ch.seq.output for ch in chunks)
         )  # fmt: skip
         if spec_chunks:
-            K = max(num_verify)
-            verify_rows, r = [], len(sample_rows)
-            for k in num_verify:  # pad each request to K + 1 rows with its last row (ignored)
-                verify_rows += [r + min(i, k) for i in range(K + 1)]
-                r += k + 1
-            vp = [s.seq.group.request.params for s in spec_chunks]
-            inputs.extra_ints.update(draft_at=draft_at, draft_src=draft_src, verify_rows=verify_rows,
-                                     num_verify=list(num_verify))  # fmt: skip
-            inputs.extra_floats["verify_temperature"] = [p.temperature for p in vp]
-            for name, values, off in (("verify_top_k", [p.top_k for p in vp], 0),
-                                      ("verify_top_p", [p.top_p for p in vp], 1.0),
-                                      ("verify_min_p", [p.min_p for p in vp], 0.0)):  # fmt: skip
-                if any(v != off for v in values):
-                    (inputs.extra_ints if name == "verify_top_k" else inputs.extra_floats)[name] = values
-            if not draft_at:
-                del inputs.extra_ints["draft_at"], inputs.extra_ints["draft_src"]
+            self._plan_verify(inputs, spec_chunks, num_verify, draft_at, draft_src, len(sample_rows))
         return inputs, seqs, forks
+
+    @staticmethod
+    def _plan_verify(inputs: StepInputs, spec_chunks: list[ScheduledChunk], num_verify: list[int],
+                     draft_at: list[int], draft_src: list[int], first_row: int) -> None:  # fmt: skip
+        """DSpark extras of a step: where drafted tokens go, the [B, K + 1] logits rows to verify (each
+        request padded with its last row, ignored) and the speculating requests' sampling parameters."""
+        K = max(num_verify)
+        verify_rows, r = [], first_row
+        for k in num_verify:
+            verify_rows += [r + min(i, k) for i in range(K + 1)]
+            r += k + 1
+        vp = [ch.seq.group.request.params for ch in spec_chunks]
+        inputs.extra_ints.update(verify_rows=verify_rows, num_verify=list(num_verify))
+        if draft_at:
+            inputs.extra_ints.update(draft_at=draft_at, draft_src=draft_src)
+        inputs.extra_floats["verify_temperature"] = [p.temperature for p in vp]
+        if any(p.top_k != 0 for p in vp):
+            inputs.extra_ints["verify_top_k"] = [p.top_k for p in vp]
+        if any(p.top_p != 1.0 for p in vp):
+            inputs.extra_floats["verify_top_p"] = [p.top_p for p in vp]
+        if any(p.min_p != 0.0 for p in vp):
+            inputs.extra_floats["verify_min_p"] = [p.min_p for p in vp]
 
     # ------------------------------------------------------------------ speculation
     def _draft(self, chunks: list[ScheduledChunk]) -> tuple[Draft | None, list[ScheduledChunk], list[int]]:
