@@ -181,6 +181,28 @@ def hf_decode(hf, prompts_BS, short: int, long: int, repeats: int, device, cache
     return {"decode_ms": 1e3 * step_s, "tok_s": prompts_BS.shape[0] / step_s, "greedy_agreement": agree}
 
 
+def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dtype, kv: str):
+    """One (config, mode) row and the greedy tokens of its warm-up run (the peer's correctness check)."""
+    ctx = args.prompt_len + args.long + 1
+    eng = make_engine(model, B, ctx, mode, kv)
+    warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, capture
+    reqs_short, reqs_long = requests(prompts_BS, args.short), requests(prompts_BS, args.long)
+    t_short = timed(lambda: eng.generate(reqs_short), device, args.repeats)
+    t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
+    step_s = (t_long - t_short) / (args.long - args.short)
+    floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
+    row = {
+        "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
+        "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
+        "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
+        "gpu_busy": gpu_busy(eng, prompts_BS, args.profile_steps, device),
+        "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
+        "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
+        "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
+    }  # fmt: skip
+    return row, [c.token_ids for c in warm]
+
+
 # ------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -223,32 +245,20 @@ def main() -> None:
         model = models[preset]
         gen = torch.Generator().manual_seed(0)
         prompts_BS = torch.randint(3, model.config.vocab_size, (B, args.prompt_len), generator=gen)
-        ctx = args.prompt_len + args.long + 1
+        eager_tokens: list[list[int]] = []
         for mode in ("eager", "graphs" if device.type == "cuda" else "static"):
-            eng = make_engine(model, B, ctx, mode, kv)
-            warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, capture
+            try:
+                row, tokens = measure(model, preset, B, mode, prompts_BS, args, device, dtype, kv)
+            except Exception as exc:  # one config's failure (e.g. out of memory) must not end the run
+                row, tokens = {"preset": preset, "batch": B, "mode": mode, "error": f"{type(exc).__name__}: "
+                               f"{str(exc)[:300]}"}, []  # fmt: skip
             if mode == "eager":
-                eager_tokens = [c.token_ids for c in warm]
-            reqs_short, reqs_long = requests(prompts_BS, args.short), requests(prompts_BS, args.long)
-            t_short = timed(lambda e=eng, r=reqs_short: e.generate(r), device, args.repeats)
-            t_long = timed(lambda e=eng, r=reqs_long: e.generate(r), device, args.repeats)
-            step_s = (t_long - t_short) / (args.long - args.short)
-            floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
-            row = {
-                "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
-                "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
-                "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
-                "gpu_busy": gpu_busy(eng, prompts_BS, args.profile_steps, device),
-                "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
-                "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
-                "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
-            }  # fmt: skip
+                eager_tokens = tokens
             rows.append(row)
             print(json.dumps(row), flush=True)
             if out:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
-            del eng
         if args.no_peer or (preset == "m3.1-flash" and not args.peer_m3):
             continue
         try:
@@ -279,6 +289,9 @@ def main() -> None:
     print("\n| preset | batch | mode | decode ms | tok/s | GPU busy | floor ms | x floor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | |")
+            continue
         busy = "" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
         floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
         over = f"{r['over_floor']:.1f}x" if "over_floor" in r else ""
