@@ -9,10 +9,13 @@ block_table[p // page] * page_size + p % page. NVFP4 rows are vLLM's MiniMax-M3 
 Invariants: `gather` returns exactly `kv_quant_dequant` of the appended values (the training-side
 simulation is the same function bit for bit); rollback is the caller keeping a shorter length (stale
 slots are never read and are overwritten by the next append); no host syncs in append / gather; CUDA
-NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`.
+NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`. Under `static_shapes()` (padded
+decode, CUDA-graph capture) the paged ops size their work from host-known bounds (table width x page).
 """
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -117,6 +120,35 @@ def _triton_append_ok(dtype: KVDtype, x: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+_STATIC = threading.local()
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Within: no op of the decode path reads device values on the host (capture-safe fixed shapes)."""
+    before = getattr(_STATIC, "on", False)
+    _STATIC.on = True
+    try:
+        yield
+    finally:
+        _STATIC.on = before
+
+
+def is_static_shapes() -> bool:
+    """True inside `static_shapes()` or while the current CUDA stream is capturing a graph."""
+    if getattr(_STATIC, "on", False):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def max_len_bound(seq_lens_B: torch.Tensor, block_tables_BP: torch.Tensor, page_size: int) -> int:
+    """Keys to gather per sequence: the longest length (one host sync), or under `static_shapes()` the
+    block tables' capacity (no sync; the extra slots are masked as invalid by the callers)."""
+    if is_static_shapes():
+        return block_tables_BP.shape[1] * page_size
+    return int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
 
 
 def slot_mapping(

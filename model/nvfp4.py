@@ -133,7 +133,12 @@ def _rcp(v: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _const(name: str, device: torch.device) -> torch.Tensor:
     """A module constant, copied to `device` once (no host-to-device copy per call; graph-safe)."""
-    return _CONSTS[name].to(device)
+    key = (name, str(device))
+    t = _DEVICE_CONSTS.get(key)
+    if t is None:
+        with torch.inference_mode(False):  # a normal tensor: autograd may save it for backward later
+            t = _DEVICE_CONSTS[key] = _CONSTS[name].to(device)
+    return t
 
 
 def _lookup(table: str, idx: torch.Tensor) -> torch.Tensor:
@@ -184,6 +189,7 @@ _SIGNED_BOUNDARIES = torch.tensor(
 )
 
 
+_DEVICE_CONSTS: dict[tuple[str, str], torch.Tensor] = {}  # (name, device) -> its copy there
 _CONSTS = {
     "code_values": E2M1_VALUES.unsqueeze(-1),
     "byte_values": _BYTE_VALUES,

@@ -24,7 +24,14 @@ try:  # Triton is optional on CPU machines: without it every call takes the torc
 except ImportError:  # pragma: no cover - depends on the install
     triton_available = None
 
-from model.kv_cache import GATHER_CHUNK_BYTES, PagedIndex, dequantize_kv, gather_pages, gather_sequences
+from model.kv_cache import (
+    GATHER_CHUNK_BYTES,
+    PagedIndex,
+    dequantize_kv,
+    gather_pages,
+    gather_sequences,
+    max_len_bound,
+)
 
 
 def select_blocks(
@@ -117,7 +124,7 @@ def index_select_blocks_torch(
     scored in chunks (no Python loop over sequences). Same selection as the reference (tested)."""
     T, N, C = index_q_TNC.shape
     page = index_cache.pages.shape[1]
-    S = int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
+    S = max_len_bound(seq_lens_B, block_tables_BP, page)
     stored_BSX, valid_BS = gather_sequences(index_cache.pages, block_tables_BP, seq_lens_B, S)
     keys_BSC = dequantize_kv(
         stored_BSX[:, :, None], index_cache.dtype, index_cache.scale, index_cache.head_dim

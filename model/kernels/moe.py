@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels.nvfp4_linear import nvfp4_linear
+from model.kv_cache import is_static_shapes
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
 # token-slots, M tokens of one expert group, I / O a projection's input / output features.
@@ -228,6 +229,8 @@ def moe_experts_torch(
 ) -> torch.Tensor:
     """Torch grouped path (training, CPU, non-NVFP4 banks): slots sorted by expert, one call per
     active expert. Differentiable; one host sync for the group bounds."""
+    if is_static_shapes():
+        return _moe_experts_every_expert(x_TD, topk_ids_TK, topk_weights_TK, bank)
     top_k = topk_ids_TK.shape[1]
     ids_S = topk_ids_TK.reshape(-1)
     order_S = torch.argsort(ids_S, stable=True)  # slots grouped by expert, token order kept inside a group
@@ -248,4 +251,17 @@ def moe_experts_torch(
     weights_S = topk_weights_TK.reshape(-1)[order_S]
     contrib_SD = y_SD.float() * weights_S.float().unsqueeze(1)
     y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device).index_add(0, token_S, contrib_SD)
+    return y_TD.to(x_TD.dtype)
+
+
+def _moe_experts_every_expert(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
+) -> torch.Tensor:
+    """The torch path under `static_shapes()` (padded decode, graph capture on a float / fp32 path): every
+    expert runs on every token and is weighted by the token's router weight for it (0 if not chosen):
+    fixed shapes, no host sync, E x the grouped path's FLOPs (small models and tests). fp32 sums."""
+    y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    for e in range(bank.num_experts):
+        w_T = torch.where(topk_ids_TK == e, topk_weights_TK.float(), 0.0).sum(-1)
+        y_TD = y_TD + w_T[:, None] * _expert_mlp(bank, e, x_TD).float()
     return y_TD.to(x_TD.dtype)

@@ -34,6 +34,7 @@ from model.kv_cache import (
     gather_pages,
     gather_sequences,
     kv_quant_dequant,
+    max_len_bound,
 )
 
 # Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
@@ -110,7 +111,7 @@ def sparse_attention_torch(
     T, H, C = q_THC.shape
     N = kv_cache.pages.shape[1] // 2
     G, page = H // N, kv_cache.pages.shape[2]
-    S = int(seq_lens_B.max())  # SYNC: sizes the gathered keys, once per call
+    S = max_len_bound(seq_lens_B, block_tables_BP, page)
     stored_BS2NX, valid_BS = gather_sequences(kv_cache.pages.transpose(1, 2), block_tables_BP, seq_lens_B, S)
     keep = valid_BS[..., None, None]
     k_BSNC = dequantize_kv(stored_BS2NX[:, :, 0::2], kv_cache.dtype, kv_cache.k_scale, C).where(keep, 0.0)

@@ -488,19 +488,26 @@ class MoE(nn.Module):
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
         return topk_ids_TK, weights_TK, logits_TE
 
-    def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        """x [..., D] -> (out [..., D], RouterStats)."""
+    def _check_whole_bank(self) -> None:
         if self.experts.is_partial:
             raise RuntimeError(
                 f"MoE: this block holds only a shard of its experts ({self.experts.extra_repr()}), "
                 "e.g. from load_model(..., expert_range=...); wrap the model with "
                 "model.parallel.expert_parallel.apply_expert_parallel over the expert-parallel group"
             )
-        x_TD = x.reshape(-1, x.shape[-1])
-        topk_ids_TK, topk_weights_TK, logits_TE = self.route(x_TD)
+
+    def _experts(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
         out_TD = moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD
+
+    def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        """x [..., D] -> (out [..., D], RouterStats)."""
+        self._check_whole_bank()
+        x_TD = x.reshape(-1, x.shape[-1])
+        topk_ids_TK, topk_weights_TK, logits_TE = self.route(x_TD)
+        out_TD = self._experts(x_TD, topk_ids_TK, topk_weights_TK)
         stats = RouterStats(
             tokens_per_expert_E=torch.bincount(topk_ids_TK.reshape(-1), minlength=self.experts.num_experts),
             router_logits_TE=logits_TE,
@@ -508,5 +515,9 @@ class MoE(nn.Module):
         return out_TD.reshape(x.shape), stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] (e.g. [B, S, D]) -> [..., D]."""
-        return self.forward_with_stats(x)[0]
+        """x [..., D] (e.g. [B, S, D]) -> [..., D]: `forward_with_stats` without the statistics (its
+        CUDA bincount reads the largest id on the host: two syncs per layer per step, no capture)."""
+        self._check_whole_bank()
+        x_TD = x.reshape(-1, x.shape[-1])
+        topk_ids_TK, topk_weights_TK, _ = self.route(x_TD)
+        return self._experts(x_TD, topk_ids_TK, topk_weights_TK).reshape(x.shape)

@@ -1,11 +1,13 @@
 """The native rollout engine: continuous batching over the model's paged KV cache.
 
 What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`. Each `step()`
-asks the scheduler (rollout/native/scheduler.py) for this step's chunks, flattens them into one
-`forward_cached` call (prefill chunks of new or preempted sequences and one token per decoding
-sequence, under `max_batch_tokens`), samples one token for every sequence whose chunk reached
-its end (rollout/native/sampler.py) and retires finished sequences. `generate` = add requests,
-step until done.
+is scheduler -> model runner -> sampler (nano-vllm's shape): the scheduler (rollout/native/
+scheduler.py) picks this step's chunks (prefill chunks of new or preempted sequences and one token
+per decoding sequence, under `max_batch_tokens`), `_plan` turns them into host lists, the runner
+(rollout/native/runner.py) copies those to its persistent device buffers in one copy and runs one
+`forward_cached` (all-decode steps padded to a bucket and, on CUDA, replayed as a captured graph:
+`cuda_graphs`, `static_decode`), then one token is sampled for every sequence whose chunk reached
+its end (rollout/native/sampler.py) and finished sequences retire. `generate` = add, step until done.
 
 Numerics: the engine adds nothing to the model's numbers: with an fp32 model and an fp32 cache
 its log-probs equal `model.token_logprobs` of the same tokens, with an NVFP4 cache they equal
@@ -40,8 +42,10 @@ ids with different images never share KV. Image ids are banned from sampling (a 
 log-probs stay full-vocabulary, rollout/engine.py). DSpark speculation does not take images: a
 vision model with a drafter is refused.
 
-Host syncs: one per step (`# SYNC` below), to hand sampled ids to the scheduler (with
-speculation also one for the accepted lengths, and in scheduled mode one for the lengths to verify).
+Host syncs: one per step (`# SYNC` below), to hand sampled ids (and log-probs, same copy) to the
+scheduler (with speculation: one for the accepted lengths, ids and log-probs together, and in
+scheduled mode one for the lengths to verify; the runner's staging may wait on its own copy of two
+stagings ago).
 
 Legend: T flattened tokens of the step, B sequences in the step (after the forward: rows being
 sampled), P block-table width, V vocab.
@@ -60,8 +64,8 @@ from model.modeling import MiniMaxM3ForCausalLM
 from model.vision.chat import check_placeholders
 from model.vision.lora import has_projector_lora
 from rollout.engine import Completion, EngineStats, Request
-from rollout.native import sampler
 from rollout.native.images import ImageFeatureCache, RequestImages
+from rollout.native.runner import ModelRunner, StepInputs
 from rollout.native.scheduler import Group, ScheduledChunk, Scheduler, Sequence, TokenCallback
 
 if TYPE_CHECKING:
@@ -80,7 +84,10 @@ class NativeEngine:
     `image_cache_rows` bounds the image feature cache (rows = image tokens) of a vision model.
     `cache` (instead of kv_dtype / index_dtype) serves a prebuilt cache with at least `max_pages`
     pages, e.g. a decode-context-parallel shard (rollout/native/dcp.py); the scheduler's page is
-    its `table_page_size`.
+    its `table_page_size`. `cuda_graphs` (None = on for a CUDA model) captures the all-decode passes
+    per batch bucket; `static_decode` runs those padded passes without capture (the CPU test of the
+    captured path). Both keep one extra cache page as the padded rows' scratch page and are off with
+    a drafter, a prebuilt cache or expert-parallel layers.
     """
 
     def __init__(
@@ -97,12 +104,25 @@ class NativeEngine:
         spec: SpecConfig | None = None,
         image_cache_rows: int = 8192,
         cache: KVCache | None = None,
+        cuda_graphs: bool | None = None,
+        static_decode: bool | None = None,
     ):
         self.model = model
         self.config = model.config
         self.device = model.lm_head.weight.device
+        # Static decode (and graphs) pad rows onto a scratch page: one page past the scheduler's.
+        can_static = drafter is None and cache is None and not _has_expert_parallel(model)
+        if cuda_graphs and not can_static:
+            raise ValueError("cuda_graphs=True needs an engine without a drafter, a prebuilt (DCP) cache or "
+                             "expert-parallel layers (their passes are not capture-safe yet)")  # fmt: skip
+        use_graphs = (can_static and self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        use_static = use_graphs or bool(static_decode)
+        if use_static and not can_static:
+            raise ValueError("static_decode=True needs an engine without a drafter, a prebuilt cache or "
+                             "expert-parallel layers")  # fmt: skip
         if cache is None:
-            cache = model.new_kv_cache(max_pages, dtype=kv_dtype, index_dtype=index_dtype)
+            n_pages = max_pages + 1 if use_static else max_pages
+            cache = model.new_kv_cache(n_pages, dtype=kv_dtype, index_dtype=index_dtype)
         elif kv_dtype is not None or index_dtype is not None or cache.num_pages < max_pages:
             raise ValueError(
                 f"a prebuilt cache sets its own dtypes (got {kv_dtype=}, {index_dtype=}) and needs at "
@@ -143,6 +163,9 @@ class NativeEngine:
                 self.proposer.profile(self.cache, max_num_seqs, max_batch_tokens)
         elif spec is not None:
             raise ValueError("spec settings need a drafter: pass drafter=... (rollout.dspark.load_drafter)")
+        scratch = max_pages if use_static else None  # the page past the scheduler's
+        self.runner = ModelRunner(model, self.cache, max_num_seqs, static_decode=use_static,
+                                  cuda_graphs=use_graphs, scratch_page=scratch)  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, on_token: TokenCallback | None = None) -> str:
@@ -233,22 +256,48 @@ class NativeEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("no sequence could be scheduled: the cache is too small for any of them")
-        dev = self.device
         draft, spec_chunks, num_verify = self._draft(chunks) if self.proposer is not None else (None, [], [])
-        verify_of = {id(ch): (j, k) for j, (ch, k) in enumerate(zip(spec_chunks, num_verify))}
         if self.images is not None:  # features of every request whose chunk reaches a placeholder
             self.images.fill([ch.seq.group.images for ch in chunks if _chunk_has_images(ch)])
             self._stats.images_encoded, self._stats.image_cache_hits = self.images.encoded, self.images.hits
-        feature_parts: list[torch.Tensor] = []  # rows of this step's placeholders, in token order
+        inputs, sampled, forks = self._plan(chunks, spec_chunks, num_verify)
+        views = self.runner.prepare(inputs)
+        logits_RV = self.runner.run(views, inputs, draft, self.proposer)
+        verified = dict(zip(map(id, spec_chunks), num_verify))
+        for ch in chunks:
+            ch.seq.num_computed += ch.num_new + verified.get(id(ch), 0)
+        for src, dst in forks:  # copy-on-write of the leaders' last pages, written by this pass
+            self.cache.copy_pages(src, dst)
+            if self.proposer is not None:
+                self.proposer.cache.copy_pages(src, dst)
+        finished = self._sample_and_update(logits_RV, views, sampled) if sampled else []
+        if spec_chunks:
+            finished += self._verify_and_update(logits_RV, views, draft, [ch.seq for ch in spec_chunks],
+                                                num_verify)  # fmt: skip
+        if self.images is not None:
+            _release_image_features(chunks)
+        self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
+        self._stats.steps += 1
+        self._stats.step_time_s += time.perf_counter() - t0
+        return finished
+
+    def _plan(
+        self, chunks: list[ScheduledChunk], spec_chunks: list[ScheduledChunk], num_verify: list[int]
+    ) -> tuple[StepInputs, list[Sequence], list[tuple[list[int], list[int]]]]:
+        """The step as host lists for the runner, the sequences sampled (forked siblings after their
+        leader, sampling the leader's logits row) and the (src, dst) pages forks copy after the pass.
+        Logits rows: one per sampling chunk, then k + 1 per speculating chunk (k drafts verified)."""
+        verified = dict(zip(map(id, spec_chunks), num_verify))
+        N = self.proposer.block_size if self.proposer is not None else 0
         ids, pos, seq_idx, tables, lens, sample_rows = [], [], [], [], [], []
-        spec_rows: list[list[int]] = []  # per speculating chunk: its k + 1 logits rows
-        draft_at, draft_src = [], []  # flattened positions that take a drafted token, (row, k) they take
+        spec_rows, draft_at, draft_src, feature_parts, sampling = [], [], [], [], []
         for b, ch in enumerate(chunks):
             s = ch.seq
-            j, k = verify_of.get(id(ch), (-1, 0))
+            k = verified.get(id(ch), 0)
             start, stop = s.num_computed, s.num_computed + ch.num_new
             first = len(ids)
-            ids += s.token_slice(start, stop) + [0] * k
+            ids += s.token_slice(start, stop) + [0] * k  # drafts are scattered in on the device
             if s.group.images is not None:
                 row_a, row_b = s.group.images.span(start, stop)
                 if row_b > row_a:
@@ -257,73 +306,67 @@ class NativeEngine:
             seq_idx += [b] * (ch.num_new + k)
             tables.append(s.block_table)
             lens.append(stop + k)
-            if j >= 0:
+            if id(ch) in verified:
                 spec_rows.append(list(range(len(ids) - k - 1, len(ids))))
+                j = len(spec_rows) - 1  # draft row j belongs to speculating chunk j
                 draft_at += range(first + 1, first + 1 + k)
-                draft_src += [(j, i) for i in range(k)]
+                draft_src += [j * N + i for i in range(k)]  # flat index into draft.tokens_BN
             elif ch.samples:
                 sample_rows.append(len(ids) - 1)
+                sampling.append(s)
             if start == 0:
                 s.kv_version = self.adapter_version
             is_decode = ch.num_new == 1 and bool(s.output)
             self._stats.prefill_tokens += 0 if is_decode else ch.num_new
-        width = max(len(t) for t in tables)
-        table_BP = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        ids_T = torch.tensor(ids, dtype=torch.long, device=dev)
-        if draft_at:
-            src = torch.tensor(draft_src, dtype=torch.long, device=dev)
-            ids_T[torch.tensor(draft_at, dtype=torch.long, device=dev)] = draft.tokens_BN[
-                src[:, 0], src[:, 1]
-            ]
-        logits_rows = torch.tensor(
-            sample_rows + [r for rows in spec_rows for r in rows], dtype=torch.long, device=dev
-        )
-        args = (ids_T, torch.tensor(pos, dtype=torch.long, device=dev),
-                torch.tensor(seq_idx, dtype=torch.long, device=dev), self.cache, table_BP,
-                torch.tensor(lens, dtype=torch.long, device=dev))  # fmt: skip
-        if self.proposer is not None:
-            logits_RV = self.proposer.forward(*args, logits_indices=logits_rows)
-        else:
-            feats_NE = torch.cat(feature_parts) if feature_parts else None
-            logits_RV = self.model.forward_cached(
-                *args, logits_indices=logits_rows, image_features_NE=feats_NE
-            )
-        sampling = [ch.seq for ch in chunks if ch.samples and id(ch) not in verify_of]
-        for ch in chunks:
-            ch.seq.num_computed += ch.num_new + verify_of.get(id(ch), (-1, 0))[1]
-
-        # Rows to sample: each finishing chunk, plus the siblings forking off a leader's prompt,
-        # which sample their first token from the leader's logits row.
-        rows, seqs = [], []
-        for j, seq in enumerate(sampling):
-            rows.append(j)
+        # Forks are page bookkeeping only (no model state): deciding them before the pass is what
+        # deciding them after it was; the page copies wait for the pass (it writes the leader's page).
+        sample_src, seqs, forks = [], [], []
+        for r, seq in enumerate(sampling):
+            sample_src.append(r)
             seqs.append(seq)
             if seq.pending_forks:
                 fresh = seq.kv_version == self.adapter_version
                 forked, src, dst = self.scheduler.fork(seq, share=fresh)
                 if src:
-                    self.cache.copy_pages(src, dst)
-                    if self.proposer is not None:
-                        self.proposer.cache.copy_pages(src, dst)
-                rows += [j] * len(forked)
+                    forks.append((src, dst))
+                sample_src += [r] * len(forked)
                 seqs += forked
-        finished = []
-        if rows:
-            finished = self._sample_and_update(
-                logits_RV[torch.tensor(rows, dtype=torch.long, device=dev)], seqs
-            )
+        params = [s.group.request.params for s in seqs]
+        inputs = StepInputs(
+            ids, pos, seq_idx, tables, lens, sample_rows + [r for rows in spec_rows for r in rows],
+            sample_src=sample_src, temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params], top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+            image_features_NE=torch.cat(feature_parts) if feature_parts else None,
+        )  # fmt: skip
+        inputs.is_decode = (
+            not spec_chunks and not feature_parts and len(seqs) == len(chunks)
+            and all(ch.num_new == 1 and ch.samples and ch.seq.output for ch in chunks)
+        )  # fmt: skip
         if spec_chunks:
-            spec_logits = logits_RV[len(sample_rows) :]
-            finished += self._verify_and_update(
-                spec_logits, draft, [ch.seq for ch in spec_chunks], num_verify
-            )
-        if self.images is not None:
-            _release_image_features(chunks)
-        self._stats.preemptions = self.scheduler.num_preemptions
-        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
-        self._stats.steps += 1
-        self._stats.step_time_s += time.perf_counter() - t0
-        return finished
+            self._plan_verify(inputs, spec_chunks, num_verify, draft_at, draft_src, len(sample_rows))
+        return inputs, seqs, forks
+
+    @staticmethod
+    def _plan_verify(inputs: StepInputs, spec_chunks: list[ScheduledChunk], num_verify: list[int],
+                     draft_at: list[int], draft_src: list[int], first_row: int) -> None:  # fmt: skip
+        """DSpark extras of a step: where drafted tokens go, the [B, K + 1] logits rows to verify (each
+        request padded with its last row, ignored) and the speculating requests' sampling parameters."""
+        K = max(num_verify)
+        verify_rows, r = [], first_row
+        for k in num_verify:
+            verify_rows += [r + min(i, k) for i in range(K + 1)]
+            r += k + 1
+        vp = [ch.seq.group.request.params for ch in spec_chunks]
+        inputs.extra_ints.update(verify_rows=verify_rows, num_verify=list(num_verify))
+        if draft_at:
+            inputs.extra_ints.update(draft_at=draft_at, draft_src=draft_src)
+        inputs.extra_floats["verify_temperature"] = [p.temperature for p in vp]
+        if any(p.top_k != 0 for p in vp):
+            inputs.extra_ints["verify_top_k"] = [p.top_k for p in vp]
+        if any(p.top_p != 1.0 for p in vp):
+            inputs.extra_floats["verify_top_p"] = [p.top_p for p in vp]
+        if any(p.min_p != 0.0 for p in vp):
+            inputs.extra_floats["verify_min_p"] = [p.min_p for p in vp]
 
     # ------------------------------------------------------------------ speculation
     def _draft(self, chunks: list[ScheduledChunk]) -> tuple[Draft | None, list[ScheduledChunk], list[int]]:
@@ -345,11 +388,10 @@ class NativeEngine:
                 caps.append(cap)
         if not cands:
             return None, [], []
-        dev = self.device
         seqs = [ch.seq for ch in cands]
         width = max(len(s.block_table) for s in seqs)
-        table_BP = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                dtype=torch.long, device=dev)  # fmt: skip
+        table = [p for s in seqs for p in (*s.block_table, *(0,) * (width - len(s.block_table)))]
+        table_BP = self.runner.stage("draft", {"table": table}, shapes={"table": (len(seqs), width)})["table"]
         draft = self.proposer.draft(seqs, table_BP)
         base_tokens = sum(ch.num_new for ch in chunks)
         extra_value = sum(1 for ch in chunks if ch.samples)
@@ -362,39 +404,33 @@ class NativeEngine:
         self._stats.draft_time_s += time.perf_counter() - t0
         return draft, cands, num_verify
 
-    def _verify_and_update(
-        self, logits_RV: torch.Tensor, draft: Draft, seqs: list[Sequence], num_verify: list[int]
-    ) -> list[Completion]:
+    def _verify_and_update(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], draft: Draft,
+                           seqs: list[Sequence], num_verify: list[int]) -> list[Completion]:  # fmt: skip
         """Accept drafts losslessly (rollout/dspark/verify.py), roll back the rejected ones' cache
         entries, emit the accepted tokens plus one from the target."""
         from rollout.dspark.verify import verify
 
-        dev = self.device
         K = max(num_verify)
-        row_BK1, r = [], 0
-        for k in num_verify:  # pad each request to K + 1 rows with its last row (ignored)
-            row_BK1.append([r + min(i, k) for i in range(K + 1)])
-            r += k + 1
-        logits_BK1V = logits_RV[torch.tensor(row_BK1, dtype=torch.long, device=dev)]
-        params = [s.group.request.params for s in seqs]
+        logits_BK1V = logits_RV[views["verify_rows"].view(len(seqs), K + 1)]
         res = verify(
             logits_BK1V,
             draft.tokens_BN[:, :K],
             None if draft.probs_BNV is None else draft.probs_BNV[:, :K],
-            torch.tensor(num_verify, dtype=torch.long, device=dev),
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            views["num_verify"],
+            views["verify_temperature"],
             [s.generator for s in seqs],
-            **self._truncation(params),
+            top_k_B=views.get("verify_top_k"),
+            top_p_B=views.get("verify_top_p"),
+            min_p_B=views.get("verify_min_p"),
         )
-        # SYNC: the scheduler needs the accepted lengths and the ids.
-        accepted, tokens, logprobs = (
-            res.num_accepted_B.tolist(),
-            res.tokens_BK1.tolist(),
-            res.logprobs_BK1.tolist(),
-        )
+        # SYNC: the scheduler needs the accepted lengths and the ids (one copy for all three).
+        packed_B = torch.cat(
+            [res.num_accepted_B[:, None].double(), res.tokens_BK1.double(), res.logprobs_BK1.double()], dim=1
+        ).tolist()
         now, finished = time.perf_counter(), []
         st = self._stats
-        for s, k, m, toks, lps in zip(seqs, num_verify, accepted, tokens, logprobs):
+        for s, k, row in zip(seqs, num_verify, packed_B):
+            m, toks, lps = int(row[0]), row[1 : K + 2], row[K + 2 :]
             # Ran anchor + k drafts; keep anchor + m accepted (the new token is not cached yet).
             self.scheduler.rollback(s, s.num_computed - k + m)
             s.spec_steps += 1
@@ -406,44 +442,25 @@ class NativeEngine:
                 st.spec_accepted + m,
             )
             for tok, lp in zip(toks[: m + 1], lps[: m + 1]):
-                if self._emit(s, tok, lp, now):
+                if self._emit(s, int(tok), lp, now):
                     finished.append(self._finish(s, now))
                     break
         return finished
 
-    def _truncation(self, params: list) -> dict[str, torch.Tensor | None]:
-        dev = self.device
-
-        def per_row(values, off_value, dtype):
-            if all(v == off_value for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        return dict(
-            top_k_B=per_row([p.top_k for p in params], 0, torch.long),
-            top_p_B=per_row([p.top_p for p in params], 1.0, torch.float32),
-            min_p_B=per_row([p.min_p for p in params], 0.0, torch.float32),
-        )
-
     # ------------------------------------------------------------------ sampling
-    def _sample_and_update(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> list[Completion]:
-        params = [s.group.request.params for s in seqs]
-        dev = self.device
-        temperature_B = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        gens = [s.generator for s in seqs]
-        if self._banned_ids is None:
-            tokens_B, logprobs_B = sampler.sample(logits_BV, temperature_B, gens, **self._truncation(params))
-        else:
-            # Image ids are never drawn, but the reported log-prob is over the full vocabulary (the
-            # engine convention for truncation), which is what the learner recomputes.
-            allowed_BV = logits_BV.index_fill(-1, self._banned_ids, float("-inf"))
-            tokens_B, _ = sampler.sample(allowed_BV, temperature_B, gens, **self._truncation(params))
-            scaled_BV = sampler.temperature_scaled(logits_BV, temperature_B)
-            logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
-        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # SYNC: the scheduler needs the ids
+    def _sample_and_update(
+        self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], seqs: list[Sequence]
+    ) -> list[Completion]:
+        tokens_B, logprobs_B = self.runner.sample(
+            logits_RV, views, [s.generator for s in seqs], self._banned_ids
+        )
+        # SYNC: the scheduler needs the ids (ids and log-probs in one copy; int64 ids < 2^53 are exact).
+        tokens, logprobs = torch.stack([tokens_B.double(), logprobs_B.double()]).tolist()
         now = time.perf_counter()
         return [
-            self._finish(s, now) for s, tok, lp in zip(seqs, tokens, logprobs) if self._emit(s, tok, lp, now)
+            self._finish(s, now)
+            for s, tok, lp in zip(seqs, tokens, logprobs)
+            if self._emit(s, int(tok), lp, now)
         ]
 
     def _emit(self, s: Sequence, tok: int, lp: float, now: float) -> bool:
@@ -526,6 +543,12 @@ class NativeEngine:
         s = self._stats
         s.pages_in_use = self.scheduler.allocator.num_in_use
         return EngineStats(**vars(s))
+
+
+def _has_expert_parallel(model: torch.nn.Module) -> bool:
+    from model.parallel.expert_parallel import ExpertParallelMoE
+
+    return any(isinstance(m, ExpertParallelMoE) for m in model.modules())
 
 
 def _chunk_has_images(ch: ScheduledChunk) -> bool:

@@ -88,6 +88,9 @@ def sample(
         raise ValueError(f"need temperature_B [{B}] and {B} generators, got "
                          f"{tuple(temperature_B.shape)} and {len(generators)}")  # fmt: skip
     scaled_BV = temperature_scaled(logits_BV, temperature_B)
+    if all(g is None for g in generators):  # every row greedy: skip the random draw's ~10 launches
+        tokens_B = scaled_BV.argmax(dim=-1)
+        return tokens_B, torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
     keep_BV = truncation_mask(scaled_BV, top_k_B, top_p_B, min_p_B)
     probs_BV = torch.softmax(scaled_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
     q_BV = exponential_noise(generators, V, logits_BV.device)

@@ -1,0 +1,303 @@
+"""Native engine decode step on the GPU: eager vs CUDA graphs side by side, against the bytes floor and
+Hugging Face transformers' MiniMax-M3 port, in one run.
+
+Per config (preset, batch): decode ms per step = (long run - short run) / (extra tokens) of the same batch
+(prefill cancels, PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
+decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s.
+Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
+CPU `static`, the same padded passes without capture). The peer (`MiniMaxM3VLForCausalLM.generate`,
+greedy, bf16 experts, dynamic and static cache) runs on the same weights when importable.
+
+    python benchmarks/engine_gpu.py --json $OUT/engine_gpu.jsonl            # H200
+    python benchmarks/engine_gpu.py --quick                                  # CPU smoke (tiny preset)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.config import ModelConfig
+from model.layers.moe import ExpertBank
+from model.modeling import MiniMaxM3ForCausalLM
+from rollout.engine import Request, SamplingParams
+from rollout.native import NativeEngine
+
+HBM_BYTES_PER_S = 4.17e12  # measured H200 device copy (PERFORMANCE.md)
+
+
+def build(preset: str, layers: int, device: torch.device, dtype: torch.dtype, kv_dtype: str):
+    cfg = dataclasses.replace(ModelConfig.preset(preset), num_mtp_modules=0, kv_cache_dtype=kv_dtype)
+    if preset == "m3.1-flash":  # the last `layers` layers: MSA + MoE only (as benchmarks/learner.py)
+        cfg = dataclasses.replace(
+            cfg, num_hidden_layers=layers, layer_types=["minimax_m3_sparse"] * layers,
+            mlp_layer_types=["sparse"] * layers,
+            quantization=dataclasses.replace(cfg.quantization, dense_mlp="bf16"),  # no dense layer left
+        )  # fmt: skip
+        from random_init import random_model_
+
+        with torch.device(device):
+            model = MiniMaxM3ForCausalLM(cfg)
+        random_model_(model, torch.Generator(device).manual_seed(0))
+        return model.to(dtype=dtype).eval()
+    model = MiniMaxM3ForCausalLM(cfg).init_weights(std=0.02, seed=0)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: timing only
+
+
+def make_engine(model, batch: int, ctx: int, mode: str, kv_dtype: str) -> NativeEngine:
+    page = model.config.index_block_size
+    max_pages = batch * -(-ctx // page) + 1
+    is_graphs = mode == "graphs" and model.lm_head.weight.is_cuda
+    return NativeEngine(model, max_pages=max_pages, max_batch_tokens=max(4096, batch), max_num_seqs=batch,
+                        kv_dtype=kv_dtype, index_dtype=kv_dtype, cuda_graphs=is_graphs,
+                        static_decode=mode != "eager")  # fmt: skip
+
+
+def requests(prompts_BS: torch.Tensor, max_tokens: int) -> list[Request]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [Request(tuple(p), sp) for p in prompts_BS.tolist()]
+
+
+def timed(fn, device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: torch.device) -> float | None:
+    """Kernel time / wall over `steps` decode-only steps (prefill stepped through first)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in requests(prompts_BS, steps + 2):
+        eng.add_request(r)
+    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync(device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    while eng.has_unfinished():
+        eng.step()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / wall_us
+
+
+def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int]:
+    """(seconds, weight bytes, KV bytes): every parameter / buffer byte once + what attention reads."""
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    cfg, cache = model.config, eng.cache
+    kv = 0
+    for i in range(cfg.num_hidden_layers):
+        keys = ctx if not cfg.is_sparse_layer(i) else min(ctx, cfg.index_topk_blocks * cfg.index_block_size)
+        kv += keys * cache.bytes_per_token(i) + ctx * cache.index_bytes_per_token(i)
+    kv *= batch
+    return (weights + kv) / HBM_BYTES_PER_S, weights, kv
+
+
+# ------------------------------------------------------------------ the transformers peer
+def to_hf(model: MiniMaxM3ForCausalLM, dtype: torch.dtype):
+    """transformers' MiniMaxM3VLForCausalLM (text) with this model's weights, routed experts dequantized
+    (bf16 experts: the port has no NVFP4 MoE). None if the port is not importable."""
+    try:
+        from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    except ImportError:
+        return None
+    from model.hf_config import config_to_hf_dict
+
+    d = config_to_hf_dict(model.config)
+    text = d.get("text_config", d)
+    text = {k: v for k, v in text.items() if k not in ("model_type", "quantization_config")}
+    hf = MiniMaxM3VLForCausalLM._from_config(MiniMaxM3VLTextConfig(**text), dtype=dtype)
+    sd = {}
+    for name, t in model.state_dict().items():
+        if ".experts." in name or name.endswith("lora_A") or ".vision." in name:
+            continue
+        hf_name = (name.replace("self_attn.index_q_proj", "self_attn.indexer.q_proj")
+                   .replace("self_attn.index_k_proj", "self_attn.indexer.k_proj")
+                   .replace("self_attn.index_q_norm", "self_attn.indexer.q_norm")
+                   .replace("self_attn.index_k_norm", "self_attn.indexer.k_norm")
+                   .replace("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias")
+                   .replace("block_sparse_moe.", "mlp."))  # fmt: skip
+        sd[hf_name] = t
+    for name in list(sd):  # fused gate/up, as the port stores them
+        if name.endswith("gate_proj.weight"):
+            up = name.replace("gate_proj", "up_proj")
+            sd[name.replace("gate_proj", "gate_up_proj")] = torch.cat([sd.pop(name), sd.pop(up)])
+    for i, layer in enumerate(model.model.layers):
+        bank = getattr(getattr(layer, "block_sparse_moe", None), "experts", None)
+        if isinstance(bank, ExpertBank):
+            w1, w3, w2 = bank.dequantized_all(dtype)
+            sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
+            sd[f"model.layers.{i}.mlp.experts.down_proj"] = w2
+    hf.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
+    missing = set(hf.state_dict()) - set(sd)
+    if missing:
+        raise RuntimeError(f"to_hf: port tensors left unset: {sorted(missing)[:5]}")
+    return hf.to(model.lm_head.weight.device).eval()
+
+
+def hf_decode(hf, prompts_BS, short: int, long: int, repeats: int, device, cache: str, expect) -> dict:
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompts_BS))
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+
+    def run(n):
+        with torch.inference_mode():
+            return hf.generate(prompts_BS, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    run(short)  # warm-up of both lengths: a static cache is compiled per cache length
+    ids_BS = run(long)[:, prompts_BS.shape[1] :].tolist()
+    # Same weights, greedy: the peer is checked against the engine before it is timed (tokens agree
+    # until bf16 / cache rounding lets a near-tie flip; fp32 on the CPU they agree exactly).
+    agree = sum(a == b for x, y in zip(ids_BS, expect) for a, b in zip(x, y)) / max(1, sum(map(len, expect)))
+    t_short, t_long = timed(lambda: run(short), device, repeats), timed(lambda: run(long), device, repeats)
+    step_s = (t_long - t_short) / (long - short)
+    return {"decode_ms": 1e3 * step_s, "tok_s": prompts_BS.shape[0] / step_s, "greedy_agreement": agree}
+
+
+def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dtype, kv: str):
+    """One (config, mode) row and the greedy tokens of its warm-up run (the peer's correctness check)."""
+    ctx = args.prompt_len + args.long + 1
+    eng = make_engine(model, B, ctx, mode, kv)
+    warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, capture
+    reqs_short, reqs_long = requests(prompts_BS, args.short), requests(prompts_BS, args.long)
+    t_short = timed(lambda: eng.generate(reqs_short), device, args.repeats)
+    t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
+    step_s = (t_long - t_short) / (args.long - args.short)
+    floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
+    row = {
+        "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
+        "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
+        "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
+        "gpu_busy": gpu_busy(eng, prompts_BS, args.profile_steps, device),
+        "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
+        "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
+        "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
+    }  # fmt: skip
+    return row, [c.token_ids for c in warm]
+
+
+# ------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke: tiny preset, batch 1 and 4, short runs")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="preset:batch items (default small:1 small:8 small:64 small:256 m3.1-flash:8 "
+                         "m3.1-flash:64)")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=4, help="layers of the m3.1-flash preset")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--short", type=int, default=16, help="new tokens of the short run")
+    ap.add_argument("--long", type=int, default=80, help="new tokens of the long run")
+    ap.add_argument("--kv-dtype", default="nvfp4", choices=["bf16", "fp8", "nvfp4"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--peer-m3", action="store_true", help="also run the peer at M3.1-Flash widths (bf16 experts)"
+    )
+    ap.add_argument("--json", type=Path, default=None, help="JSON lines, one per (config, mode)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        configs = args.configs or ["tiny:1", "tiny:4"]
+        args.prompt_len, args.short, args.long, args.repeats, args.profile_steps = 24, 4, 12, 1, 4
+        torch.set_num_threads(1)
+    else:
+        configs = args.configs or ["small:1", "small:8", "small:64", "small:256", "m3.1-flash:8",
+                                   "m3.1-flash:64"]  # fmt: skip
+    kv = args.kv_dtype if device.type == "cuda" else "fp32"
+    rows, models = [], {}
+    out = args.json.open("a") if args.json else None
+    for item in configs:
+        preset, batch = item.split(":")
+        B = int(batch)
+        if preset not in models:
+            models.clear()
+            models[preset] = build(preset, args.layers, device, dtype, args.kv_dtype)
+        model = models[preset]
+        gen = torch.Generator().manual_seed(0)
+        prompts_BS = torch.randint(3, model.config.vocab_size, (B, args.prompt_len), generator=gen)
+        eager_tokens: list[list[int]] = []
+        for mode in ("eager", "graphs" if device.type == "cuda" else "static"):
+            try:
+                row, tokens = measure(model, preset, B, mode, prompts_BS, args, device, dtype, kv)
+            except Exception as exc:  # one config's failure (e.g. out of memory) must not end the run
+                row, tokens = {"preset": preset, "batch": B, "mode": mode, "error": f"{type(exc).__name__}: "
+                               f"{str(exc)[:300]}"}, []  # fmt: skip
+            if mode == "eager":
+                eager_tokens = tokens
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+        if args.no_peer or (preset == "m3.1-flash" and not args.peer_m3):
+            continue
+        try:
+            hf = to_hf(model, dtype)
+        except Exception as exc:  # another transformers version may name the port's tensors otherwise
+            print(f"peer skipped: converting to transformers failed: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        if hf is None:
+            print("peer skipped: transformers.models.minimax_m3_vl is not importable", flush=True)
+            args.no_peer = True
+            continue
+        for cache in ("dynamic", "static"):
+            try:
+                r = hf_decode(hf, prompts_BS.to(device), args.short, args.long, args.repeats, device, cache,
+                              eager_tokens)  # fmt: skip
+            except Exception as exc:  # the peer's failure must not lose the engine's rows
+                print(f"peer {cache} failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            peer_kv = "bf16" if dtype == torch.bfloat16 else "fp32"  # the port caches in the model dtype
+            row = {"preset": preset, "batch": B, "mode": f"transformers_{cache}", "device": str(device),
+                   "dtype": str(dtype), "kv_dtype": peer_kv, **r}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+        del hf
+    print("\n| preset | batch | mode | decode ms | tok/s | GPU busy | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        busy = "" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
+        floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
+        over = f"{r['over_floor']:.1f}x" if "over_floor" in r else ""
+        print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {r['tok_s']:.0f} | "
+              f"{busy} | {floor} | {over} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
