@@ -84,10 +84,11 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: torch.device) -> float | None:
-    """Kernel time / wall over `steps` decode-only steps (prefill stepped through first)."""
+def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: torch.device) -> tuple:
+    """(kernel time / wall, kernels launched per step) over `steps` decode-only steps (prefill stepped
+    through first); (None, None) off CUDA."""
     if device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
 
     for r in requests(prompts_BS, steps + 2):
@@ -103,8 +104,10 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
         wall_us = (time.perf_counter() - t0) * 1e6
     while eng.has_unfinished():
         eng.step()
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return kernel_us / wall_us
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernel_us / wall_us, kernels / steps
 
 
 def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int]:
@@ -191,11 +194,12 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
     step_s = (t_long - t_short) / (args.long - args.short)
     floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
+    busy, kernels = gpu_busy(eng, prompts_BS, args.profile_steps, device)
     row = {
         "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
         "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
         "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
-        "gpu_busy": gpu_busy(eng, prompts_BS, args.profile_steps, device),
+        "gpu_busy": busy, "kernels_per_step": kernels,
         "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
         "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,

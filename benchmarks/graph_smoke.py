@@ -86,9 +86,9 @@ def main() -> None:
     print(f"preset {args.preset} {args.dtype}, KV {kv}, buckets {runner.buckets}, table width "
           f"{runner._width}, lora {args.lora or args.lora_experts} (experts {args.lora_experts})",
           flush=True)  # fmt: skip
-    runner._fill_static([], [], [], [], [], [], [], [])  # every row padded: only the scratch page is written
     results = []
-    with torch.inference_mode():
+    with torch.inference_mode():  # the static buffers are inference tensors (built inside engine.step)
+        runner._fill_static([], [], [], [], [], [], [], [])  # every row padded: only scratch is written
         for bs in reversed(runner.buckets):
             row = {"bs": bs, "sync": "ok", "capture": "ok", "replay_max_diff": None}
             eager_BV = None

@@ -9,8 +9,9 @@ block_table[p // page] * page_size + p % page. NVFP4 rows are vLLM's MiniMax-M3 
 Invariants: `gather` returns exactly `kv_quant_dequant` of the appended values (the training-side
 simulation is the same function bit for bit); rollback is the caller keeping a shorter length (stale
 slots are never read and are overwritten by the next append); no host syncs in append / gather; CUDA
-NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`. Under `static_shapes()` (padded
-decode, CUDA-graph capture) the paged ops size their work from host-known bounds (table width x page).
+NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`; under
+`static_shapes()` (padded decode, CUDA-graph capture) the paged ops size their work from host-known
+bounds (table width x page).
 """
 
 import threading

@@ -246,6 +246,9 @@ class RolloutSection:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
     torch_threads: int = 1
+    # Native engine on CUDA: replay all-decode steps from CUDA graphs captured per batch bucket
+    # (rollout/native/runner.py); null = on for CUDA engines, off on CPU.
+    cuda_graphs: bool | None = None
     # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
     # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
     # drafter is rollout.dspark.drafter.

@@ -158,6 +158,7 @@ class RolloutWorker:
             max_num_seqs=cfg.rollout.max_num_seqs,
             drafter=self.drafter,
             spec=spec,
+            cuda_graphs=cfg.rollout.cuda_graphs,
         )
         self._spec_seen = (0, 0)  # (verification passes, accepted drafts) already reported
 
