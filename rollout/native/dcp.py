@@ -1,34 +1,11 @@
 """A decode-context-parallel (DCP) engine replica: W ranks share every sequence's KV pages.
 
-What: each rank of the replica's torch.distributed group (one process per rank: gloo on CPU, NCCL on
-GPUs) holds the whole model and serves ALL of the replica's requests, but keeps only its interleaved
-share of every sequence's K/V and index-key pages: block b on rank b % W
-(`model.parallel.context_parallel.DCPKVCache`). Every attention layer's engine step appends the
-tokens of the blocks it owns, selects blocks with `dcp_index_select_blocks` (local top-k, exchanged,
-merged exactly into the global top-k) and attends with `dcp_sparse_attention` (partial outputs merged
-by log-sum-exp); everything else (embeddings, MoE, lm_head, sampling) runs replicated.
-
-Why: at long context the KV cache bounds the batch and a decode step is bound by reading index keys
-and selected K/V. Spreading the pages over W GPUs divides both by W (a rank with M pages holds W x
-the context of an M-page single engine) for two small all-gathers per sparse layer (one per dense
-layer).
-
-How: `DCPEngine` is a `NativeEngine` over a `DCPKVCache`. A block-table entry (the scheduler's page)
-covers W * page_size tokens and names one local page on every rank, so the unchanged scheduler,
-with the same requests, makes the same decisions (admission, chunked prefill, preemption, prefix
-forks and their copy-on-write) on every rank, and page accounting per rank is the local share.
-
-Invariants: every rank calls `add_request` / `generate` / `step` / `set_adapter` in the same order
-with the same arguments and the same engine `seed`. Then every rank computes bit-identical logits
-(the merged attention output is computed from the same gathered partials on every rank) and so
-samples the same tokens from the same per-sequence generators; its completions equal a single
-`NativeEngine`'s (tokens exactly, log-probs up to fp32 summation order). `check_every = n > 0`
-verifies that (a checksum of every sequence's tokens and log-probs, all-gathered every n steps and
-after `generate`; a mismatch raises on every rank at once). A world of 1 runs no collective.
-DSpark speculation is refused (its drafter cache and verify pass are single-rank).
-
-Host syncs: the engine's one per step, plus one per attention layer in the DCP ops (they size the
-gathered local keys), plus the checksum exchange when enabled.
+What: every rank holds the whole model and serves all of the replica's requests but keeps only
+block b % W == rank of each sequence's K/V and index keys (`DCPKVCache`); sparse layers merge local
+top-k blocks and log-sum-exp partial outputs across ranks. Why: at long context the cache bounds the
+batch and the step reads keys; W ranks divide both by W. Invariants: every rank makes the same calls
+in the same order with the same seed, so all compute bit-identical logits and a single engine's
+completions (`check_every` verifies it); DSpark is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +23,37 @@ from model.parallel.context_parallel import DCPKVCache
 from model.parallel.groups import group_size
 from rollout.engine import Completion, Request
 from rollout.native.engine import NativeEngine
+
+# Design notes (moved from the module docstring)
+# What: each rank of the replica's torch.distributed group (one process per rank: gloo on CPU, NCCL on
+# GPUs) holds the whole model and serves ALL of the replica's requests, but keeps only its interleaved
+# share of every sequence's K/V and index-key pages: block b on rank b % W
+# (`model.parallel.context_parallel.DCPKVCache`). Every attention layer's engine step appends the
+# tokens of the blocks it owns, selects blocks with `dcp_index_select_blocks` (local top-k, exchanged,
+# merged exactly into the global top-k) and attends with `dcp_sparse_attention` (partial outputs merged
+# by log-sum-exp); everything else (embeddings, MoE, lm_head, sampling) runs replicated.
+#
+# Why: at long context the KV cache bounds the batch and a decode step is bound by reading index keys
+# and selected K/V. Spreading the pages over W GPUs divides both by W (a rank with M pages holds W x
+# the context of an M-page single engine) for two small all-gathers per sparse layer (one per dense
+# layer).
+#
+# How: `DCPEngine` is a `NativeEngine` over a `DCPKVCache`. A block-table entry (the scheduler's page)
+# covers W * page_size tokens and names one local page on every rank, so the unchanged scheduler,
+# with the same requests, makes the same decisions (admission, chunked prefill, preemption, prefix
+# forks and their copy-on-write) on every rank, and page accounting per rank is the local share.
+#
+# Invariants: every rank calls `add_request` / `generate` / `step` / `set_adapter` in the same order
+# with the same arguments and the same engine `seed`. Then every rank computes bit-identical logits
+# (the merged attention output is computed from the same gathered partials on every rank) and so
+# samples the same tokens from the same per-sequence generators; its completions equal a single
+# `NativeEngine`'s (tokens exactly, log-probs up to fp32 summation order). `check_every = n > 0`
+# verifies that (a checksum of every sequence's tokens and log-probs, all-gathered every n steps and
+# after `generate`; a mismatch raises on every rank at once). A world of 1 runs no collective.
+# DSpark speculation is refused (its drafter cache and verify pass are single-rank).
+#
+# Host syncs: the engine's one per step, plus one per attention layer in the DCP ops (they size the
+# gathered local keys), plus the checksum exchange when enabled.
 
 __all__ = ["DCPEngine", "run_dcp_replica"]
 

@@ -1,27 +1,10 @@
-"""A DEP engine replica: data-parallel attention + expert-parallel MoE over W ranks, stepping in lockstep.
+"""A DEP engine replica: data-parallel attention + expert-parallel MoE over W ranks, in lockstep.
 
-What: each rank of the replica's torch.distributed group (one process per rank: gloo on CPU, NCCL on
-GPUs) holds the whole model except the routed experts, of which it keeps its 1/W share
-(`model.parallel.expert_parallel.apply_expert_parallel`, after loading and `apply_lora`), and runs its
-OWN `NativeEngine`: its own KV cache, scheduler and requests (data-parallel attention). `DEPEngine`
-splits a request list over the ranks, steps every rank's engine in lockstep and returns every
-completion, in request order, on every rank.
-
-Why lockstep: an `ExpertParallelMoE` forward is collective (its all-to-alls need every rank of the
-group, in the same layer order, the same number of times). So every step starts with one all-reduce
-of "do I have work"; a rank with work runs `NativeEngine.step()` (exactly one `forward_cached`, i.e.
-one call of every MoE layer in layer order), a rank without runs `idle_forward`: every EP layer once,
-in layer order, on zero tokens. Attention, norms and lm_head hold no collective, so the idle rank
-skips them. The loop ends when no rank has work.
-
-Invariants: the tokens and log-probs of a request do not depend on the rank it lands on nor on what
-the other ranks run (the engine's numbers are batch-composition independent and the EP layer equals
-the single-process MoE up to fp32 summation order); requests without a seed get one drawn here from
-one generator seeded the same on every rank, before the split, so sampled output is split-independent
-too. DSpark speculation is refused (its draft and verify passes would need their own lockstep).
-
-Host syncs: one per step, the all-reduce's result (`# SYNC` below), plus the split-size exchange of
-every EP layer (model/parallel/expert_parallel.py).
+What: each rank holds everything but its 1/W of the routed experts and runs its own NativeEngine
+(own cache, scheduler and requests); `DEPEngine` splits requests over the ranks and steps them in
+lockstep: a rank without work joins every MoE all-to-all with zero tokens (`idle_forward`).
+Invariants: a request's tokens and log-probs do not depend on its rank or on the other ranks' work
+(seeds drawn before the split from one generator seeded alike on every rank); DSpark is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +21,30 @@ from model.parallel.expert_parallel import ExpertParallelMoE, apply_expert_paral
 from model.parallel.groups import group_rank, group_size
 from rollout.engine import Completion, EngineStats, Request
 from rollout.native.engine import NativeEngine
+
+# Design notes (moved from the module docstring)
+# What: each rank of the replica's torch.distributed group (one process per rank: gloo on CPU, NCCL on
+# GPUs) holds the whole model except the routed experts, of which it keeps its 1/W share
+# (`model.parallel.expert_parallel.apply_expert_parallel`, after loading and `apply_lora`), and runs its
+# OWN `NativeEngine`: its own KV cache, scheduler and requests (data-parallel attention). `DEPEngine`
+# splits a request list over the ranks, steps every rank's engine in lockstep and returns every
+# completion, in request order, on every rank.
+#
+# Why lockstep: an `ExpertParallelMoE` forward is collective (its all-to-alls need every rank of the
+# group, in the same layer order, the same number of times). So every step starts with one all-reduce
+# of "do I have work"; a rank with work runs `NativeEngine.step()` (exactly one `forward_cached`, i.e.
+# one call of every MoE layer in layer order), a rank without runs `idle_forward`: every EP layer once,
+# in layer order, on zero tokens. Attention, norms and lm_head hold no collective, so the idle rank
+# skips them. The loop ends when no rank has work.
+#
+# Invariants: the tokens and log-probs of a request do not depend on the rank it lands on nor on what
+# the other ranks run (the engine's numbers are batch-composition independent and the EP layer equals
+# the single-process MoE up to fp32 summation order); requests without a seed get one drawn here from
+# one generator seeded the same on every rank, before the split, so sampled output is split-independent
+# too. DSpark speculation is refused (its draft and verify passes would need their own lockstep).
+#
+# Host syncs: one per step, the all-reduce's result (`# SYNC` below), plus the split-size exchange of
+# every EP layer (model/parallel/expert_parallel.py).
 
 Distribute = Literal["round_robin", "by_length"]
 

@@ -1,54 +1,13 @@
 """The native rollout engine: continuous batching over the model's paged KV cache.
 
-What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`. Each `step()`
-is scheduler -> model runner -> sampler (nano-vllm's shape): the scheduler (rollout/native/
-scheduler.py) picks this step's chunks (prefill chunks of new or preempted sequences and one token
-per decoding sequence, under `max_batch_tokens`), `_plan` turns them into host lists, the runner
-(rollout/native/runner.py) copies those to its persistent device buffers in one copy and runs one
-`forward_cached` (all-decode steps padded to a bucket and, on CUDA, replayed as a captured graph:
-`cuda_graphs`, `static_decode`), then one token is sampled for every sequence whose chunk reached
-its end (rollout/native/sampler.py) and finished sequences retire. `generate` = add, step until done.
-
-Numerics: the engine adds nothing to the model's numbers: with an fp32 model and an fp32 cache
-its log-probs equal `model.token_logprobs` of the same tokens, with an NVFP4 cache they equal
-`token_logprobs(..., kv_sim=True)` (both tested), whatever the batch composition.
-
-Adapters: `set_adapter(tensors, version)` copies LoRA tensors into the model in place between
-steps: through model.layers.lora.load_lora_state_dict when the model carries LoRA adapters
-(apply_lora), else by exact base-parameter name (strict, for adapter-free models and tests).
-Sequences in flight keep the KV they computed under the old version and continue under the new
-one; every sampled token records the version it was sampled under.
-Prefix pages are keyed by adapter version: siblings share a leader's prompt pages only if the
-adapter did not change since the leader's prefill began; otherwise they prefill afresh.
-
-Speculative decoding (DSpark, optional: `drafter=`, `spec=`): every decoding sequence drafts a
-block (rollout/dspark/proposer.py); the step's one target pass runs [anchor, k drafts] for each of
-them beside the prefill chunks (drafts ride on top of `max_batch_tokens`, at most k per sequence,
-and take pages only if free: they never preempt); rollout/dspark/verify.py accepts a prefix
-losslessly and adds one target token; `Scheduler.rollback` shortens the sequence to the kept
-tokens and frees pages past the next slot. Target KV, index keys and the drafter's context are
-all per-token entries, so the kept prefix is exactly what a run without the rejected drafts
-wrote (tested, fp32 and NVFP4 caches). Log-probs are the target's; greedy output equals the
-plain engine's token for token.
-
-Images (models with a vision tower): a request's `images` are checked against its placeholder
-tokens at validation (model.vision.check_placeholders); their features are computed once per
-request, through a row-bounded LRU keyed by image content shared across requests
-(rollout/native/images.py), and each prefill chunk hands `forward_cached` the rows of its own
-placeholders, so a chunk may end inside an image; a request's rows are dropped once all its samples
-have cached their placeholders. Prompt-page sharing happens only between the
-samples of one request (same ids, same images); no page is ever shared across requests, so equal
-ids with different images never share KV. Image ids are banned from sampling (a truncation: the
-log-probs stay full-vocabulary, rollout/engine.py). DSpark speculation does not take images: a
-vision model with a drafter is refused.
-
-Host syncs: one per step (`# SYNC` below), to hand sampled ids (and log-probs, same copy) to the
-scheduler (with speculation: one for the accepted lengths, ids and log-probs together, and in
-scheduled mode one for the lengths to verify; the runner's staging may wait on its own copy of two
-stagings ago).
-
-Legend: T flattened tokens of the step, B sequences in the step (after the forward: rows being
-sampled), P block-table width, V vocab.
+What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`; each `step()` is
+scheduler (rollout/native/scheduler.py) -> model runner (rollout/native/runner.py: one copy into
+persistent buffers, eager or a replayed CUDA graph) -> sampler (rollout/native/sampler.py), with
+optional DSpark speculation and images. `generate` = add requests, step until done.
+Invariants: the engine adds nothing to the model's numbers (fp32 log-probs equal
+`model.token_logprobs`, NVFP4 caches equal `token_logprobs(kv_sim=True)`, whatever the batch);
+adapters swap in place between steps and every token records the version it was sampled under;
+one host sync per step (sampled ids and log-probs).
 """
 
 from __future__ import annotations
@@ -71,6 +30,58 @@ from rollout.native.scheduler import Group, ScheduledChunk, Scheduler, Sequence,
 if TYPE_CHECKING:
     from rollout.dspark.model import Draft, Drafter
     from rollout.dspark.schedule import SpecConfig
+
+
+# Design notes (moved from the module docstring)
+# What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`. Each `step()`
+# is scheduler -> model runner -> sampler (nano-vllm's shape): the scheduler (rollout/native/
+# scheduler.py) picks this step's chunks (prefill chunks of new or preempted sequences and one token
+# per decoding sequence, under `max_batch_tokens`), `_plan` turns them into host lists, the runner
+# (rollout/native/runner.py) copies those to its persistent device buffers in one copy and runs one
+# `forward_cached` (all-decode steps padded to a bucket and, on CUDA, replayed as a captured graph:
+# `cuda_graphs`, `static_decode`), then one token is sampled for every sequence whose chunk reached
+# its end (rollout/native/sampler.py) and finished sequences retire. `generate` = add, step until done.
+#
+# Numerics: the engine adds nothing to the model's numbers: with an fp32 model and an fp32 cache
+# its log-probs equal `model.token_logprobs` of the same tokens, with an NVFP4 cache they equal
+# `token_logprobs(..., kv_sim=True)` (both tested), whatever the batch composition.
+#
+# Adapters: `set_adapter(tensors, version)` copies LoRA tensors into the model in place between
+# steps: through model.layers.lora.load_lora_state_dict when the model carries LoRA adapters
+# (apply_lora), else by exact base-parameter name (strict, for adapter-free models and tests).
+# Sequences in flight keep the KV they computed under the old version and continue under the new
+# one; every sampled token records the version it was sampled under.
+# Prefix pages are keyed by adapter version: siblings share a leader's prompt pages only if the
+# adapter did not change since the leader's prefill began; otherwise they prefill afresh.
+#
+# Speculative decoding (DSpark, optional: `drafter=`, `spec=`): every decoding sequence drafts a
+# block (rollout/dspark/proposer.py); the step's one target pass runs [anchor, k drafts] for each of
+# them beside the prefill chunks (drafts ride on top of `max_batch_tokens`, at most k per sequence,
+# and take pages only if free: they never preempt); rollout/dspark/verify.py accepts a prefix
+# losslessly and adds one target token; `Scheduler.rollback` shortens the sequence to the kept
+# tokens and frees pages past the next slot. Target KV, index keys and the drafter's context are
+# all per-token entries, so the kept prefix is exactly what a run without the rejected drafts
+# wrote (tested, fp32 and NVFP4 caches). Log-probs are the target's; greedy output equals the
+# plain engine's token for token.
+#
+# Images (models with a vision tower): a request's `images` are checked against its placeholder
+# tokens at validation (model.vision.check_placeholders); their features are computed once per
+# request, through a row-bounded LRU keyed by image content shared across requests
+# (rollout/native/images.py), and each prefill chunk hands `forward_cached` the rows of its own
+# placeholders, so a chunk may end inside an image; a request's rows are dropped once all its samples
+# have cached their placeholders. Prompt-page sharing happens only between the
+# samples of one request (same ids, same images); no page is ever shared across requests, so equal
+# ids with different images never share KV. Image ids are banned from sampling (a truncation: the
+# log-probs stay full-vocabulary, rollout/engine.py). DSpark speculation does not take images: a
+# vision model with a drafter is refused.
+#
+# Host syncs: one per step (`# SYNC` below), to hand sampled ids (and log-probs, same copy) to the
+# scheduler (with speculation: one for the accepted lengths, ids and log-probs together, and in
+# scheduled mode one for the lengths to verify; the runner's staging may wait on its own copy of two
+# stagings ago).
+#
+# Legend: T flattened tokens of the step, B sequences in the step (after the forward: rows being
+# sampled), P block-table width, V vocab.
 
 
 class NativeEngine:

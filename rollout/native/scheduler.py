@@ -1,36 +1,11 @@
-"""Continuous-batching scheduler of the native engine: page allocation, chunked prefill,
-preemption by recomputation and prompt-prefix sharing. Pure Python bookkeeping, no model.
+"""Continuous-batching scheduler of the native engine: page allocation, chunked prefill, preemption by
+recomputation and prompt-prefix sharing. Pure Python bookkeeping, no model.
 
-What: every engine step `Scheduler.schedule()` picks, under a token budget, how many new tokens
-each sequence runs: one for a decoding sequence, a chunk of the remaining prompt (or of
-prompt + generated tokens after a preemption) for a prefilling one. A sequence whose chunk
-reaches the end of its tokens gets its next token sampled from the chunk's last logits.
-
-Pages: the KV cache is split into pages of `page_size` tokens (= the MSA block size); a
-sequence's block table lists its pages in position order. `PageAllocator` hands out page ids
-with reference counts so pages can be shared.
-
-Policy (vLLM-like, first come first served):
-- running sequences first, oldest first; if one cannot get the pages its tokens need, the
-  newest running sequence is preempted (pages freed, KV to be recomputed) until it fits. The
-  oldest sequence thus always progresses, so every request finishes as long as one sequence
-  alone fits in the cache (checked when requests are added).
-- then waiting sequences (preempted ones first) while budget, pages and `max_num_seqs` allow;
-  admitting never preempts.
-- a preempted sequence keeps its generated tokens, log-probs and RNG state: recomputing
-  prompt + generated tokens reproduces its cache, so its next draws are unchanged.
-
-Prefix sharing (GRPO groups): sample 0 of an n-sample request (the leader) prefills the prompt;
-when its prefill completes, `fork` gives each sibling the leader's full prompt pages (refcount
-+1, read-only forever: only positions >= prompt length are written again) and a private copy
-of the partially filled last page (copy-on-write, done eagerly at fork; the engine copies the
-page data). All siblings then sample their first token from the leader's last logits row. A
-sibling that finds no free page falls back to prefilling on its own.
-
-Prefix pages are keyed by adapter version: the engine forks with `share=False` when the adapter
-changed while the leader was prefilling, so siblings never start from stale KV.
-
-Invariant: a page with refcount > 1 is never written (checked in `_ensure_pages`).
+What: `Scheduler.schedule()` picks, under a token budget, the chunk each sequence runs this step
+(one token when decoding, a prompt chunk when prefilling); pages of `page_size` (= the MSA block)
+come from a reference-counted `PageAllocator`. Invariants: the oldest running sequence always
+progresses (every request finishes if one sequence alone fits); a preempted sequence keeps its
+tokens and RNG state, so its next draws are unchanged; a page with refcount > 1 is never written.
 """
 
 from __future__ import annotations
@@ -47,6 +22,39 @@ from rollout.engine import Request
 
 if TYPE_CHECKING:
     from rollout.native.images import RequestImages
+
+
+# Design notes (moved from the module docstring)
+# What: every engine step `Scheduler.schedule()` picks, under a token budget, how many new tokens
+# each sequence runs: one for a decoding sequence, a chunk of the remaining prompt (or of
+# prompt + generated tokens after a preemption) for a prefilling one. A sequence whose chunk
+# reaches the end of its tokens gets its next token sampled from the chunk's last logits.
+#
+# Pages: the KV cache is split into pages of `page_size` tokens (= the MSA block size); a
+# sequence's block table lists its pages in position order. `PageAllocator` hands out page ids
+# with reference counts so pages can be shared.
+#
+# Policy (vLLM-like, first come first served):
+# - running sequences first, oldest first; if one cannot get the pages its tokens need, the
+#   newest running sequence is preempted (pages freed, KV to be recomputed) until it fits. The
+#   oldest sequence thus always progresses, so every request finishes as long as one sequence
+#   alone fits in the cache (checked when requests are added).
+# - then waiting sequences (preempted ones first) while budget, pages and `max_num_seqs` allow;
+#   admitting never preempts.
+# - a preempted sequence keeps its generated tokens, log-probs and RNG state: recomputing
+#   prompt + generated tokens reproduces its cache, so its next draws are unchanged.
+#
+# Prefix sharing (GRPO groups): sample 0 of an n-sample request (the leader) prefills the prompt;
+# when its prefill completes, `fork` gives each sibling the leader's full prompt pages (refcount
+# +1, read-only forever: only positions >= prompt length are written again) and a private copy
+# of the partially filled last page (copy-on-write, done eagerly at fork; the engine copies the
+# page data). All siblings then sample their first token from the leader's last logits row. A
+# sibling that finds no free page falls back to prefilling on its own.
+#
+# Prefix pages are keyed by adapter version: the engine forks with `share=False` when the adapter
+# changed while the leader was prefilling, so siblings never start from stale KV.
+#
+# Invariant: a page with refcount > 1 is never written (checked in `_ensure_pages`).
 
 TokenCallback = Callable[[int, int, float], None]  # (sample_index, token_id, logprob)
 
