@@ -92,11 +92,8 @@ class Learner:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
 
-    def fingerprint(self, legacy: bool = False) -> str:
-        """The base's fingerprint (`legacy`: the format recorded before per-expert hashing; not for
-        DEP learners, whose shards can only be fingerprinted in the current format)."""
-        if legacy:
-            return policy_fingerprint(self.model, legacy=True)
+    def fingerprint(self) -> str:
+        """The whole base's fingerprint (DEP: gathered over the group by `init_group`)."""
         return self._fingerprint or policy_fingerprint(self.model)
 
     # ------------------------------------------------------------------ data-parallel group

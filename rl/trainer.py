@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from common.data import skipped_row_metrics
-from model.checkpoint import FINGERPRINT_PREFIX
 from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
 from rl.faults import maybe_fail
@@ -597,14 +596,6 @@ class Trainer:
         from rl.checkpointing import restore_rng_state
 
         recorded, now = state.get("base_fingerprint"), self.base_fingerprint
-        if recorded and not recorded.startswith(FINGERPRINT_PREFIX) and now.startswith(FINGERPRINT_PREFIX):
-            # Recorded before per-expert hashing: check it in its own format (whole-bank learners only).
-            if self.cfg.trainer.learner_parallel == "dep" and len(self.learners) > 1:
-                raise RuntimeError(
-                    "the checkpoint's base fingerprint has the format of an older version, which DEP "
-                    "learners cannot compute; resume it once with trainer.learner_parallel=none"
-                )
-            now = ray.get(self.learner.fingerprint.remote(legacy=True))
         if recorded and recorded != now:
             raise RuntimeError("the checkpoint was trained on a different base (fingerprint mismatch)")
         ray.get([lrn.load_state_dict.remote(state["learner"]) for lrn in self.learners])

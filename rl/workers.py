@@ -105,12 +105,11 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         load_lora_state_dict(model, tensors)
 
 
-def policy_fingerprint(model: torch.nn.Module, legacy: bool = False, group=None) -> str:
-    """The base's fingerprint (collective over `group` when the model holds a shard of its experts;
-    `legacy`: the format of fingerprints recorded before per-expert hashing, model.checkpoint)."""
+def policy_fingerprint(model: torch.nn.Module, group=None) -> str:
+    """The base's fingerprint (collective over `group` when the model holds a shard of its experts)."""
     if hasattr(model, "fingerprint"):
         return model.fingerprint()
-    return base_fingerprint(model, group=group, legacy=legacy)
+    return base_fingerprint(model, group=group)
 
 
 class RolloutWorker:
