@@ -11,6 +11,7 @@ Invariants: the learner and every rollout worker load the *same* NVFP4 base dire
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,37 @@ def lora_config(cfg: TrainConfig) -> LoRAConfig:
     )
 
 
+def vllm_settings(
+    cfg: TrainConfig, base_dir: str, lora_targets: tuple[str, ...], index: int, eos_token_id: int | None
+):
+    """The vLLM engine's settings for rollout worker `index`. Every `rollout.<name>` or
+    `rollout.vllm_<name>` key and every `lora.<name>` (as `lora_<name>`) that names a VLLMSettings
+    field is passed by that name (dataclasses.fields: a key added to both sides needs no line here);
+    what the run derives (base directory, PEFT target names, seed, drafter path) is added."""
+    from rollout.vllm_backend import VLLMSettings
+
+    names = {f.name for f in dataclasses.fields(VLLMSettings)}
+    kwargs = {}
+    for f in dataclasses.fields(cfg.rollout):
+        name = f.name.removeprefix("vllm_")
+        if name in names:
+            kwargs[name] = getattr(cfg.rollout, f.name)
+    for f in dataclasses.fields(cfg.lora):
+        if f"lora_{f.name}" in names:
+            kwargs[f"lora_{f.name}"] = getattr(cfg.lora, f.name)
+    drafter = cfg.rollout.dspark.drafter
+    return VLLMSettings(**{
+        **kwargs,
+        "model": base_dir,
+        "dtype": kwargs["dtype"] or cfg.model.dtype,  # rollout.vllm_dtype null: the model's
+        "lora_targets": lora_targets,
+        "max_lora_rank": max(32, cfg.lora.r),
+        "seed": cfg.trainer.seed + index,
+        "drafter": str(Path(drafter) / "dspark") if drafter else None,
+        "eos_token_id": eos_token_id,
+    })  # fmt: skip
+
+
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's LoRA tensors (MiniMax: `lora_state_dict` names; hf: PEFT file names)."""
     return model.adapter_tensors() if hasattr(model, "adapter_tensors") else lora_state_dict(model)
@@ -162,9 +194,9 @@ class RolloutWorker:
 
     def _init_vllm(self, base_dir: str) -> None:
         from model.adapter import peft_target_modules
-        from rollout.vllm_backend import VLLMEngine, VLLMSettings
+        from rollout.vllm_backend import VLLMEngine
 
-        cfg, r = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         if cfg.model.family == "hf":
             from rl.hf_policy import twin_fingerprint
 
@@ -173,17 +205,8 @@ class RolloutWorker:
         else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support)
             self._fingerprint = base_fingerprint(load_model(base_dir, device="cpu"))
             targets = tuple(peft_target_modules(list(cfg.lora.target_modules)))
-        kv = r.kv_cache_dtype if r.kv_cache_dtype not in (None, "fp32") else "auto"
-        dtypes = {"fp32": "float32", "bf16": "bfloat16"}
-        self.engine = VLLMEngine(VLLMSettings(
-            model=base_dir, dtype=dtypes[r.vllm_dtype or cfg.model.dtype], max_model_len=r.max_model_len,
-            lora_r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_targets=targets,
-            max_lora_rank=max(32, cfg.lora.r), kv_cache_dtype=kv,
-            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-            max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed + self.index,
-            drafter=str(Path(r.dspark.drafter) / "dspark") if r.dspark.drafter else None,
-            sync=r.vllm_sync, eos_token_id=self.tokenizer.eos_token_id,
-        ))  # fmt: skip
+        eos = self.tokenizer.eos_token_id
+        self.engine = VLLMEngine(vllm_settings(cfg, base_dir, targets, self.index, eos))
 
     def fingerprint(self) -> str:
         return self._fingerprint

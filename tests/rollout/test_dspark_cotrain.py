@@ -157,7 +157,8 @@ def test_published_drafter_weights_load_exactly_and_bad_ones_are_refused():
 def test_grpo_run_with_cotraining_logs_acceptance_and_publishes_to_every_engine(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     from rl.config import load_config
-    from rl.trainer import Trainer, prepare_base
+    from rl.topology import prepare_base
+    from rl.trainer import Trainer
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     quick = [
