@@ -36,10 +36,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
+from model.layers.lora_config import LoRAConfig
 from rl.config_sections import (
     AlgoSection,
     DataSection,
-    LoRASection,
     ModelSection,
     OptimSection,
     RaySection,
@@ -63,7 +63,7 @@ class TrainConfig:
     output_dir: str | None = None
     resume: str | None = None
     model: ModelSection = field(default_factory=ModelSection)
-    lora: LoRASection = field(default_factory=LoRASection)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # the adapter's own config is the section
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     reward: RewardSection = field(default_factory=RewardSection)

@@ -1,5 +1,6 @@
-"""The sections of a training config: one validated dataclass per component (model, LoRA, data,
-rollout, reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take.
+"""The sections of a training config: one validated dataclass per component (model, data, rollout,
+reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take. A component
+whose own config is torch-free is its section as it is (`lora`: model.layers.lora_config.LoRAConfig).
 
 What: the schema `rl.config.TrainConfig` nests (recipes and overrides are composed and merged there,
 in rl/config.py, which also checks the constraints that span sections). Every field is documented in
@@ -22,7 +23,6 @@ from typing import Any, Literal
 from model.config import PRESETS, ModelConfig
 
 ModelDtype = Literal["fp32", "bf16"]
-AdapterDtype = Literal["float32", "bfloat16"]
 DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]
 RolloutBackend = Literal["native", "vllm"]
 ModelFamily = Literal["minimax_m3", "hf"]
@@ -40,15 +40,6 @@ TrackingMode = Literal["offline", "online", "disabled"]
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
     "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
 }  # fmt: skip
-
-# Mirrors model.layers.lora.TargetModule (kept here so loading a config does not import torch;
-# tests/rl/test_config.py checks the two agree).
-LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
-    "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
-PROJECTOR_TARGETS = ("multi_modal_projector", "patch_merge_mlp")  # model.layers.lora.ProjectorTarget
-
 
 def require(ok: bool, msg: str) -> None:
     if not ok:
@@ -101,36 +92,6 @@ class ModelSection:
             self.family != "hf" or self.checkpoint is not None,
             "model.family=hf needs model.checkpoint=<Hugging Face model directory> "
             "(presets are MiniMax-M3 only)",
-        )
-
-
-@dataclass
-class LoRASection:
-    """Adapter shape; mirrors model.layers.lora.LoRAConfig. gate/up/down target the dense-prefix MLP
-    and every MoE layer's shared expert; routed experts are a separate switch."""
-
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    routed_experts: bool = False
-    dtype: AdapterDtype = "float32"
-    # Vision models: adapt the image projector too (multi_modal_projector / patch_merge_mlp); the
-    # tower stays frozen. Native backend only (vLLM's LoRA does not cover the projector).
-    projector_modules: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        require(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
-        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
-        require(not bad, f"lora.projector_modules: unknown module(s) {bad}; valid: {list(PROJECTOR_TARGETS)}")
-        require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
-        require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
-        require(not bad, f"lora.target_modules: unknown module(s) {bad}; valid: {list(LORA_TARGETS)}")
-        require(
-            bool(self.target_modules) or self.routed_experts or bool(self.projector_modules),
-            "lora: no adapter target (target_modules and projector_modules are empty and routed_experts "
-            "is false)",
         )
 
 

@@ -19,7 +19,7 @@ import torch
 
 from common.tokenizer import load_tokenizer
 from model.checkpoint import base_fingerprint, load_model
-from model.layers.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
+from model.layers.lora import apply_lora, load_lora_state_dict, lora_state_dict
 from rl import grpo
 from rl.config import TrainConfig
 from rl.faults import maybe_fail
@@ -69,7 +69,7 @@ def build_policy(
         model.config.kv_cache_dtype = cfg.rollout.kv_cache_dtype
     if cfg.rollout.index_cache_dtype is not None:
         model.config.index_cache_dtype = cfg.rollout.index_cache_dtype
-    return apply_lora(model, lora_config(cfg), seed=cfg.trainer.seed)
+    return apply_lora(model, cfg.lora, seed=cfg.trainer.seed)
 
 
 def dep_expert_range(base_dir: str, rank: int, world: int) -> tuple[int, int]:
@@ -78,20 +78,6 @@ def dep_expert_range(base_dir: str, rank: int, world: int) -> tuple[int, int]:
     from model.parallel.expert_parallel import expert_ranges
 
     return expert_ranges(ModelConfig.from_pretrained(base_dir).num_local_experts, world)[rank]
-
-
-def lora_config(cfg: TrainConfig) -> LoRAConfig:
-    """The run's `lora` section as the model's LoRAConfig (one place: build and export agree)."""
-    lc = cfg.lora
-    return LoRAConfig(
-        r=lc.r,
-        alpha=lc.alpha,
-        dropout=lc.dropout,
-        target_modules=list(lc.target_modules),
-        routed_experts=lc.routed_experts,
-        dtype=lc.dtype,
-        projector_modules=list(lc.projector_modules),
-    )
 
 
 def vllm_settings(

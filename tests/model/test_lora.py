@@ -59,7 +59,7 @@ def test_lora_config_defaults_are_rank32_alpha64_attention_and_mlp():
 
 
 def test_lora_config_unknown_target_error_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown names \['qkv_proj'\].*'q_proj'.*routed_experts"):
+    with pytest.raises(ValueError, match=r"unknown module\(s\) \['qkv_proj'\].*'q_proj'.*routed_experts"):
         LoRAConfig(target_modules=["q_proj", "qkv_proj"])
 
 

@@ -16,7 +16,6 @@ from rl.config import (
     load_config,
     save_config,
 )
-from rl.config_sections import LORA_TARGETS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -194,12 +193,6 @@ def test_save_then_load_config_round_trips_equal(tmp_path):
     assert config_to_dict(back)["optim"]["betas"] == [0.9, 0.999]
 
 
-def test_lora_targets_match_the_lora_module():
-    from model.layers.lora import TARGET_MODULES
-
-    assert set(LORA_TARGETS) == set(TARGET_MODULES)
-
-
 def test_tracking_mode_none_resolves_from_wandb_mode_then_api_key(monkeypatch):
     cfg = load_config("quickstart")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -221,23 +214,35 @@ def test_projector_modules_are_checked_and_need_the_native_engine():
         load_config("geo_vision", ["lora.projector_modules=[patch_merge_mlp]", "rollout.backend=vllm"])
 
 
-def test_projector_targets_match_the_lora_module():
-    from model.layers.lora import PROJECTOR_TARGETS as MODEL_PROJECTOR_TARGETS
-    from rl.config_sections import PROJECTOR_TARGETS
-
-    assert PROJECTOR_TARGETS == MODEL_PROJECTOR_TARGETS
-
-
-def test_lora_section_maps_every_field_to_the_model_lora_config():
-    # The trainer exports with this config: a dropped field (routed_experts once was) writes an adapter
-    # whose metadata disagrees with its tensors, and loading it fails.
-    from rl.workers import lora_config
+def test_lora_section_is_the_model_lora_config_itself():
+    # The section is model.layers.lora_config.LoRAConfig (no mirror to keep in step): build, sync and
+    # export read cfg.lora as it is, and its checks and messages are the recipe's.
+    from model.layers.lora import LoRAConfig
 
     cfg = load_config(
         "geo_vision",
         ["lora.routed_experts=true", "lora.dtype=bfloat16", "lora.projector_modules=[patch_merge_mlp]"],
     )
-    lc = lora_config(cfg)
-    assert (lc.r, lc.alpha, lc.dropout) == (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
-    assert set(lc.target_modules) == set(cfg.lora.target_modules)
-    assert (lc.routed_experts, lc.dtype, lc.projector_modules) == (True, "bfloat16", ["patch_merge_mlp"])
+    assert type(cfg.lora) is LoRAConfig
+    assert (cfg.lora.routed_experts, cfg.lora.dtype, cfg.lora.projector_modules) == (
+        True,
+        "bfloat16",
+        ["patch_merge_mlp"],
+    )
+    assert cfg.lora.scaling == cfg.lora.alpha / cfg.lora.r
+    with pytest.raises(ValueError, match=r"lora.r must be a positive int, got 0"):
+        load_config("quickstart", ["lora.r=0"])
+    with pytest.raises(ValueError, match=r"unknown key 'rank' in section 'lora'; valid keys: \[.*'r'"):
+        load_config("quickstart", ["lora.rank=8"])
+
+
+def test_loading_a_config_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rl.config import load_config\ncfg = load_config('dapo_math')\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "False"
