@@ -92,9 +92,9 @@ class TrainConfig:
             "an adapter: set rollout.backend=native (model.family=minimax_m3) or lora.projector_modules=[]",
         )
         require(
-            self.trainer.learner_parallel == "dp" or self.model.family == "minimax_m3",
+            self.trainer.learner_parallel == "none" or self.model.family == "minimax_m3",
             "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
-            "use trainer.learner_parallel=dp",
+            "use trainer.learner_parallel=none",
         )
         if self.rollout.engine_parallel != "none":
             self._check_parallel_engine()

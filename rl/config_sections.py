@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,7 +34,9 @@ CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Device = Literal["cpu", "cuda"]
-LearnerParallel = Literal["dp", "dep"]
+# "none" = no model parallelism inside the replica / learner group (learners are still data parallel);
+# "dp" is the old spelling of "none" for trainer.learner_parallel (accepted with a FutureWarning).
+LearnerParallel = Literal["none", "dep", "dp"]
 EngineParallel = Literal["none", "dep", "dcp"]
 TrackingMode = Literal["offline", "online", "disabled"]
 
@@ -354,7 +357,7 @@ class TrainerSection:
     device: Device = "cpu"
     kv_sim: bool = False
     num_learners: int = 1
-    learner_parallel: LearnerParallel = "dp"
+    learner_parallel: LearnerParallel = "none"
     num_gpus: float = 0.0
     torch_threads: int = 1
     # Reliability: a rollout/reward actor that dies is restarted up to `max_restarts` times (its
@@ -371,6 +374,14 @@ class TrainerSection:
             self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads", "max_nonfinite_steps"
         )
         at_least(self, "trainer", 0, "max_restarts")
+        if self.learner_parallel == "dp":
+            warnings.warn(
+                "trainer.learner_parallel=dp is deprecated: write trainer.learner_parallel=none (data-"
+                "parallel learners without expert parallelism; the spelling rollout.engine_parallel uses)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.learner_parallel = "none"
         from rl.faults import parse as parse_faults
 
         parse_faults(self.fault_injection)

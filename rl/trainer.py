@@ -246,8 +246,8 @@ class Trainer:
             saved = save_run_state(self)
             raise TrainingAborted(
                 f"{self._nonfinite_streak} consecutive steps had NaN/inf losses or gradients (last: step "
-                f"{self.step}); stopped with a finite adapter saved in {saved}. Lower optim.lr or raise "
-                "optim.grad_clip's strictness, check the data, then resume=auto"
+                f"{self.step}); stopped with a finite adapter saved in {saved}. Lower optim.lr (or clip "
+                "harder: a smaller optim.grad_clip), check the data, then resume=auto"
             )
 
     def _check_logprob_agreement(self, metrics: dict[str, float]) -> None:

@@ -65,6 +65,9 @@ def test_dapo_math_documented_cpu_dry_run_overrides_give_a_cpu_tiny_config():
         "cpu", "native", 0.0, 0.0,
     )  # fmt: skip
     assert cfg.data.train_path == "../shared/data/dapo_math_17k.parquet"
+    assert (cfg.trainer.num_learners, cfg.trainer.learner_parallel) == (1, "none")
+    flagship = load_config("dapo_math").trainer
+    assert (flagship.num_learners, flagship.learner_parallel, flagship.num_gpus) == (4, "dep", 1.0)
 
 
 def test_overrides_are_typed_nested_and_list_valued():
@@ -246,3 +249,37 @@ def test_loading_a_config_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "False"
+
+
+def test_learner_parallel_off_is_none_and_the_old_dp_warns_with_the_new_spelling():
+    assert load_config("quickstart").trainer.learner_parallel == "none"
+    with pytest.warns(FutureWarning, match=r"write trainer\.learner_parallel=none"):
+        cfg = load_config("quickstart", ["trainer.learner_parallel=dp"])
+    assert cfg.trainer.learner_parallel == "none"
+    with pytest.raises(ValueError, match=r"use trainer\.learner_parallel=none"):
+        load_config("quickstart_vllm", ["trainer.learner_parallel=dep"])
+
+
+def test_every_hint_in_rl_names_a_value_its_key_accepts():
+    # A message that says `section.key=value` for a key with fixed choices must name one of them
+    # (trainer.learner_parallel=none was once advised while the config accepted only dp|dep).
+    import typing
+
+    hinted = set()
+    for path in (REPO / "rl").glob("*.py"):
+        hinted |= set(re.findall(r"\b((?:[a-z]+\.)+[a-z_]+)=([a-z0-9_.|-]+)", path.read_text()))
+    checked = 0
+    for key, values in sorted(hinted):
+        hint: typing.Any = TrainConfig
+        for part in key.split("."):
+            hints = typing.get_type_hints(hint) if hasattr(hint, "__dataclass_fields__") else {}
+            hint = hints.get(part)
+        choices = {a for t in (typing.get_args(hint) or (hint,)) for a in typing.get_args(t)}
+        if typing.get_origin(hint) is typing.Literal:
+            choices = set(typing.get_args(hint))
+        if not choices:
+            continue
+        for value in values.rstrip("|").split("|"):
+            assert value in choices or (value == "null" and type(None) in typing.get_args(hint)), (key, value)
+            checked += 1
+    assert checked >= 10
