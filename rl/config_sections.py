@@ -1,6 +1,7 @@
 """The sections of a training config: one validated dataclass per component (model, data, rollout,
 reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take. A component
-whose own config is torch-free is its section as it is (`lora`: model.layers.lora_config.LoRAConfig).
+whose own config is torch-free is its section as it is (`lora`: model.layers.lora_config.LoRAConfig,
+`rollout.dspark.cotrain`: rollout.dspark.cotrain_config.CoTrainConfig).
 
 What: the schema `rl.config.TrainConfig` nests (recipes and overrides are composed and merged there,
 in rl/config.py, which also checks the constraints that span sections). Every field is documented in
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model.config import PRESETS, ModelConfig
+from rollout.dspark.cotrain_config import CoTrainConfig
 
 ModelDtype = Literal["fp32", "bf16"]
 DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]
@@ -43,6 +45,7 @@ TrackingMode = Literal["offline", "online", "disabled"]
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
     "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
 }  # fmt: skip
+
 
 def require(ok: bool, msg: str) -> None:
     if not ok:
@@ -150,30 +153,19 @@ class DSparkSection:
     """DSpark speculative decoding in the native engine (rollout/dspark). `drafter`: a directory
     holding `dspark/` (python -m rollout.dspark.train); None = no speculation. `mode`: how many
     drafts are verified per step ("scheduled" by the drafter's confidence, or all: "fixed").
-    `cotrain`: distil the drafter on the rollouts of the last `cotrain_replay_steps` steps
-    (`cotrain_steps` optimizer steps at `cotrain_lr`, every `cotrain_every` steps; `cotrain_focus`
-    > 0 weights the positions whose drafts would be rejected more) and publish it to every engine,
+    `cotrain` is the co-trainer's own config (rollout/dspark/cotrain_config.py): with
+    `cotrain.enabled` the drafter is distilled on the latest rollouts and published to every engine,
     so acceptance follows the changing policy (rollout/dspark/cotrain.py)."""
 
     drafter: str | None = None
     mode: SpecMode = "scheduled"
-    cotrain: bool = False
-    cotrain_steps: int = 20
-    cotrain_lr: float = 5e-4
-    cotrain_every: int = 1
-    cotrain_replay_steps: int = 4
-    cotrain_focus: float = 0.0
+    cotrain: CoTrainConfig = field(default_factory=CoTrainConfig)
 
     def __post_init__(self) -> None:
-        at_least(self, "rollout.dspark", 1, "cotrain_steps", "cotrain_every", "cotrain_replay_steps")
-        require(self.cotrain_lr > 0, f"rollout.dspark.cotrain_lr must be > 0, got {self.cotrain_lr}")
         require(
-            self.cotrain_focus >= 0, f"rollout.dspark.cotrain_focus must be >= 0, got {self.cotrain_focus}"
-        )
-        require(
-            not self.cotrain or self.drafter is not None,
-            "rollout.dspark.cotrain=true needs rollout.dspark.drafter=DIR (a drafter to start from; "
-            "python -m rollout.dspark.train builds one)",
+            not self.cotrain.enabled or self.drafter is not None,
+            "rollout.dspark.cotrain.enabled=true needs rollout.dspark.drafter=DIR (a drafter to start "
+            "from; python -m rollout.dspark.train builds one)",
         )
 
 

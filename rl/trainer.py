@@ -163,7 +163,8 @@ class Trainer:
         metrics.update(skipped_row_metrics(getattr(self.train_stream, "skipped_rows", {})))
         # Drafter co-training (rollout worker 0) overlaps the learner's update: both read this
         # step's rollouts; the drafter learns the policy that generated them.
-        cotrain = self.rollout[0].cotrain_drafter.remote(generated) if c.rollout.dspark.cotrain else None
+        is_cotrain = c.rollout.dspark.cotrain.enabled
+        cotrain = self.rollout[0].cotrain_drafter.remote(generated) if is_cotrain else None
         learners = self.topology.learners
         if kept:
             advantages = grpo.sample_advantages([s.reward for s in kept], [s.uid for s in kept])
@@ -184,7 +185,7 @@ class Trainer:
         metrics.update(self._sync())
         if cotrain is not None:
             spec, state, version = ray.get(cotrain)
-            if state is not None:  # None: not a co-training round (rollout.dspark.cotrain_every)
+            if state is not None:  # None: not a co-training round (rollout.dspark.cotrain.every)
                 ray.get([w.set_drafter.remote(state, version) for w in self.rollout[1:]])
             metrics.update(spec)
         metrics.update(self.topology.fault_counts)

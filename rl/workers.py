@@ -158,16 +158,13 @@ class RolloutWorker:
             # A resumed co-training run continues from its own latest drafter (cotrain_drafter saves
             # every version to output_dir/drafter), not from the shipped one it started with.
             own = Path(cfg.output_dir) / "drafter"
-            src = own if ds.cotrain and cfg.resume and (own / "dspark").is_dir() else ds.drafter
+            src = own if ds.cotrain.enabled and cfg.resume and (own / "dspark").is_dir() else ds.drafter
             self.drafter = load_drafter(src, target=self.model, device=self.model.lm_head.weight.device)
             spec = SpecConfig(mode=ds.mode)
-            if ds.cotrain and index == 0:  # worker 0 trains; the driver publishes to the others
-                from rollout.dspark.cotrain import CoTrainConfig, CoTrainer
+            if ds.cotrain.enabled and index == 0:  # worker 0 trains; the driver publishes to the others
+                from rollout.dspark.cotrain import CoTrainer
 
-                self.cotrainer = CoTrainer(self.model, self.drafter, CoTrainConfig(
-                    steps=ds.cotrain_steps, lr=ds.cotrain_lr, every=ds.cotrain_every,
-                    replay_steps=ds.cotrain_replay_steps, focus=ds.cotrain_focus, seed=cfg.trainer.seed,
-                ))  # fmt: skip
+                self.cotrainer = CoTrainer(self.model, self.drafter, ds.cotrain, seed=cfg.trainer.seed)
         self.engine = NativeEngine(
             self.model,
             max_pages=cfg.rollout.max_pages,

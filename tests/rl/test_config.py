@@ -283,3 +283,33 @@ def test_every_hint_in_rl_names_a_value_its_key_accepts():
             assert value in choices or (value == "null" and type(None) in typing.get_args(hint)), (key, value)
             checked += 1
     assert checked >= 10
+
+
+def test_dspark_cotrain_section_is_the_cotrainer_config_and_old_keys_still_work(tmp_path):
+    from rollout.dspark.cotrain_config import CoTrainConfig
+
+    new = [
+        "rollout.dspark.drafter=/d",
+        "rollout.dspark.cotrain.enabled=true",
+        "rollout.dspark.cotrain.steps=3",
+    ]
+    cfg = load_config("quickstart", new)
+    assert cfg.rollout.dspark.cotrain == CoTrainConfig(enabled=True, steps=3)
+    old = ["rollout.dspark.drafter=/d", "rollout.dspark.cotrain=true", "rollout.dspark.cotrain_steps=3"]
+    with pytest.warns(
+        FutureWarning,
+        match=r"rollout\.dspark\.cotrain_steps is deprecated: write rollout\.dspark\.cotrain\.steps",
+    ):
+        assert load_config("quickstart", old).rollout.dspark == cfg.rollout.dspark
+    _write(
+        tmp_path,
+        "old",
+        "defaults: [quickstart]\nrollout:\n  dspark:\n    drafter: /d\n    cotrain_steps: 3\n"
+        "    cotrain: true\n",
+    )
+    with pytest.warns(FutureWarning, match=r"rollout\.dspark\.cotrain is deprecated"):
+        assert load_config(str(tmp_path / "old.yaml")).rollout.dspark.cotrain == cfg.rollout.dspark.cotrain
+    with pytest.raises(ValueError, match=r"needs rollout\.dspark\.drafter=DIR"):
+        load_config("quickstart", ["rollout.dspark.cotrain.enabled=true"])
+    with pytest.raises(ValueError, match=r"unknown key 'stepz' in section 'rollout\.dspark\.cotrain'"):
+        load_config("quickstart", ["rollout.dspark.cotrain.stepz=3"])
