@@ -68,8 +68,8 @@ class LoRAConfig:
         )
         if not self.target_modules and not self.routed_experts and not self.projector_modules:
             raise ValueError(
-                "lora targets nothing: give lora.target_modules or lora.projector_modules, or set "
-                "lora.routed_experts=true"
+                "lora: no adapter target (target_modules and projector_modules are empty and "
+                "routed_experts is false): give lora.target_modules, or set lora.routed_experts=true"
             )
         if self.dtype not in ADAPTER_DTYPES:
             raise ValueError(f"lora.dtype must be one of {list(ADAPTER_DTYPES)}, got {self.dtype!r}")

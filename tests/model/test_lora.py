@@ -66,7 +66,7 @@ def test_lora_config_unknown_target_error_lists_valid_names():
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"r": 0}, "r must be a positive int"), ({"alpha": -1}, "alpha"), ({"dropout": 1.0}, "dropout"),
-     ({"target_modules": "q_proj"}, "list of names"), ({"target_modules": []}, "targets nothing"),
+     ({"target_modules": "q_proj"}, "list of names"), ({"target_modules": []}, "no adapter target"),
      ({"dtype": "float16"}, "dtype")],
 )  # fmt: skip
 def test_lora_config_invalid_field_is_named(kwargs, match):
