@@ -1,4 +1,4 @@
-"""Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain).
+"""Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain.enabled).
 
 Runs the quickstart twice from the same seed with the cached quickstart drafter
 (rollout.dspark.train.ensure_quickstart_drafter): once with the drafter frozen, once co-trained
@@ -19,7 +19,7 @@ decay remains at the ceiling comes from the policy itself becoming harder to pre
 
     python benchmarks/dspark_cotrain.py --steps 60 --threads 1 \\
         --json benchmarks/results/dspark_cotrain_cpu.jsonl optim.lr=3e-3 \\
-        [--cotrain rollout.dspark.cotrain_every=2 ...]   (overrides for the co-trained run only, last)
+        [--cotrain rollout.dspark.cotrain.every=2 ...]   (overrides for the co-trained run only, last)
 
 (optim.lr=3e-3, three times the quickstart's, makes the policy drift enough in 60 steps for a
 frozen drafter's decay to stand out of the step-to-step noise.)
@@ -47,7 +47,7 @@ def run(out: Path, steps: int, threads: int, cotrain: bool, extra: list[str]) ->
         f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
         "tracking.mode=offline", f"rollout.dspark.drafter={DRAFTER}", "rollout.dspark.mode=fixed",
         f"rollout.torch_threads={threads}", f"trainer.torch_threads={threads}",
-        f"rollout.dspark.cotrain={str(cotrain).lower()}", *extra,
+        f"rollout.dspark.cotrain.enabled={str(cotrain).lower()}", *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)

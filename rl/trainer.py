@@ -36,6 +36,10 @@ LOGPROB_WARN_ABS_DIFF = 1e-3
 
 
 class Trainer:
+    """One run: `fit()` then `close()` (`run(cfg)` does both). Start-up order is fixed (config
+    written, datasets, resume state, tracker, base, actors, restore, first sync), so a resumed run
+    draws the same numbers as an uninterrupted one."""
+
     def __init__(self, cfg: TrainConfig):
         import ray
 
