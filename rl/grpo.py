@@ -1,8 +1,9 @@
 """GRPO / DAPO numerics: group advantages, the clipped policy loss, KL, entropy, reward shaping.
 
-What: pure tensor functions used by the driver (advantages, dynamic sampling, overlong shaping) and
-the learner (policy loss, KL, entropy). They take tensors and scalars and return tensors plus, for
-the loss, a dict of scalar *tensors* (the caller decides when to sync them to the host).
+What: every algorithmic decision of a step, as pure functions the driver (advantages, dynamic
+sampling's keep and refill, overlong shaping) and the learner (mini-batches, micro-batch weights,
+policy loss, KL, entropy) only call. They take tensors (or flat per-sample lists) and scalars and
+return tensors plus, for the loss, a dict of scalar *tensors* (the caller decides when to sync).
 
 Why these definitions: they are the ones verl's `core_algos` uses, so a run here is comparable with
 a verl run; tests/rl/test_grpo.py checks equality against verl on random ragged batches.
