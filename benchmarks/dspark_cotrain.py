@@ -1,4 +1,4 @@
-"""Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain).
+"""Drafter acceptance during GRPO with and without online co-training (rollout.dspark.cotrain.enabled).
 
 Runs the quickstart twice from one seed with the cached quickstart drafter, frozen and co-trained,
 both with fixed-length verification (the accepted length then measures the drafter alone), and prints
@@ -9,7 +9,7 @@ and with the shipped drafter fine-tuned on that policy for `--oracle-steps` (the
 
     python benchmarks/dspark_cotrain.py --steps 60 --threads 1 \\
         --json benchmarks/results/dspark_cotrain_cpu.jsonl optim.lr=3e-3 \\
-        [--cotrain rollout.dspark.cotrain_every=2 ...]   (overrides for the co-trained run only, last)
+        [--cotrain rollout.dspark.cotrain.every=2 ...]   (overrides for the co-trained run only, last)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run(out: Path, steps: int, threads: int, cotrain: bool, extra: list[str]) ->
         f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
         "tracking.mode=offline", f"rollout.dspark.drafter={DRAFTER}", "rollout.dspark.mode=fixed",
         f"rollout.torch_threads={threads}", f"trainer.torch_threads={threads}",
-        f"rollout.dspark.cotrain={str(cotrain).lower()}", *extra,
+        f"rollout.dspark.cotrain.enabled={str(cotrain).lower()}", *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -167,17 +167,25 @@ def projector_targets(peft_targets: list[str]) -> list[str]:
     return [m for m in PROJECTOR_TARGETS if any(s.startswith(f"{m}.") for s in peft_targets)]
 
 
-def peft_config_dict(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
-    """adapter_config.json as PEFT's LoraConfig writes it (fields this adapter uses)."""
-    alpha = int(cfg.alpha) if float(cfg.alpha).is_integer() else cfg.alpha
+def peft_config_dict(
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str] | tuple[str, ...],
+    base_model_name_or_path: str | None = None,
+) -> dict[str, Any]:
+    """adapter_config.json as PEFT's LoraConfig writes it (fields this adapter uses), for
+    `target_modules` already in PEFT's spelling (`peft_target_modules`, or a Hugging Face model's
+    own module names). The one writer of PEFT configs: saved adapters, vLLM's in-memory and
+    RAM-directory adapters, and the Hugging Face export all use it."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        "r": cfg.r,
-        "lora_alpha": alpha,
-        "lora_dropout": cfg.dropout,
-        "target_modules": peft_target_modules(cfg.target_modules, cfg.projector_modules),
+        "r": r,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout,
+        "target_modules": list(target_modules),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -211,10 +219,12 @@ def save_adapter(
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if meta.base_dtype is None and embed is not None:
         meta.base_dtype = str(embed.weight.dtype).removeprefix("torch.")
+    targets = peft_target_modules(cfg.target_modules, cfg.projector_modules)
+    peft_cfg = peft_config_dict(cfg.r, cfg.alpha, cfg.dropout, targets, base_model_name_or_path)
     files = {
         WEIGHTS_FILE: None,
         METADATA_FILE: json.dumps(asdict(meta), indent=2),
-        CONFIG_FILE: json.dumps(peft_config_dict(cfg, base_model_name_or_path), indent=2),
+        CONFIG_FILE: json.dumps(peft_cfg, indent=2),
     }
     (path / MANIFEST_FILE).unlink(missing_ok=True)  # an older adapter's: its weights are replaced now
     for fname, text in files.items():

@@ -72,7 +72,9 @@ _SKIPPED_PREFIXES = (
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model it is loaded into, or a damaged file."""
+    """A checkpoint that does not match the model it is loaded into, or one that is missing, partial
+    or damaged (model checkpoints here, training checkpoints in rl/checkpointing.py); the message
+    names the file or tensor."""
 
 
 # ---------------------------------------------------------------------------- reading
@@ -467,23 +469,21 @@ def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_b
 
 # ---------------------------------------------------------------------------- identity
 FINGERPRINT_PREFIX = "fp2:"
-"""Fingerprints hash routed experts per expert (so expert-parallel shards can combine theirs); the
-first format (a bare hex digest) hashed each bank tensor whole: `base_fingerprint(..., legacy=True)`."""
+"""Marks the fingerprint format: routed experts hashed per expert, so expert-parallel shards can
+combine theirs."""
 
 
 def base_fingerprint(
     model: torch.nn.Module,
     skip: tuple[str, ...] = ("lora_",),
     group: dist.ProcessGroup | None = None,
-    legacy: bool = False,
 ) -> str:
     """sha256 over every base tensor (names sorted; adapter tensors skipped): name, dtype, and its
     bytes, or for a routed-expert bank tensor [E, ...] the sha256 digests of its E expert rows in
     global expert order. Equal fingerprints on the learner and an engine mean bit-identical NVFP4
     codes, scales and weights, however each holds its experts: a model with partial banks (an
     expert-parallel rank) gathers the other ranks' row digests over `group` (None: the default
-    group; collective: every rank of it calls this), so its fingerprint is the whole model's.
-    `legacy`: the first format (whole-tensor bytes), to check fingerprints recorded by it."""
+    group; collective: every rank of it calls this), so its fingerprint is the whole model's."""
     # Persistent state only: wrappers such as ExpertParallelMoE add non-persistent bookkeeping buffers.
     transient = {
         f"{prefix}.{b}" if prefix else b
@@ -501,10 +501,6 @@ def base_fingerprint(
         return banks.get(f"{prefix}.") if "." not in leaf else None
 
     names = [n for n in sorted(tensors) if not any(s in n for s in skip) and not _is_derived(n)]
-    if legacy:
-        if any(b.is_partial for b in banks.values()):
-            raise ValueError("base_fingerprint(legacy=True) needs whole expert banks (not a shard)")
-        return _legacy_fingerprint(model, skip)
     rows: dict[str, list[bytes]] = {}  # bank tensor -> this process's expert-row digests
     for name in names:
         if bank_of(name) is not None:
@@ -521,31 +517,10 @@ def base_fingerprint(
     return FINGERPRINT_PREFIX + h.hexdigest()
 
 
-def fingerprint_matches(model: torch.nn.Module, recorded: str) -> str | None:
-    """The model's fingerprint in `recorded`'s format when it differs from `recorded` (None when equal):
-    fingerprints written before per-expert hashing are checked with the legacy format."""
-    fp = base_fingerprint(model, legacy=not recorded.startswith(FINGERPRINT_PREFIX))
-    return None if fp == recorded else fp
-
-
 def _host_bytes_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes on the host as uint8, leading dimension kept."""
     t = t.detach().contiguous().cpu()
     return t.view(torch.uint8).reshape(t.shape[0], -1) if t.dim() else t.reshape(1).view(torch.uint8)
-
-
-def _legacy_fingerprint(model: torch.nn.Module, skip: tuple[str, ...]) -> str:
-    """The first format, exactly: every parameter and buffer's whole bytes, names sorted."""
-    h = hashlib.sha256()
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for name in sorted(tensors):
-        if any(s in name for s in skip) or _is_derived(name):
-            continue
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _gather_expert_rows(rows: dict[str, list[bytes]], banks: dict, bank_of, group) -> dict[str, list[bytes]]:

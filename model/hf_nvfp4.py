@@ -44,7 +44,7 @@ from model.nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize, quantize
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""Attention projections: the product's default LoRA targets (rl.config LoRASection)."""
+"""Attention projections: the default LoRA targets of a Hugging Face policy built without a recipe."""
 SOURCE_FILE = "nvfp4_source.json"
 """Written beside the dequantized twin: which NVFP4 base (fingerprint, modules) it came from."""
 

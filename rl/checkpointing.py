@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.checkpoint import CheckpointError  # one error for model and run checkpoints
 from model.integrity import describe_mismatch, file_sha256, fsync_path
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,6 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PLAIN = (int, float, bool, str, type(None))
 _KINDS = ("safetensors", "json", "torch")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, partial or corrupted; the message names the file."""
 
 
 # ------------------------------------------------------------------------------------ encoding

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +37,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
+from model.layers.lora_config import LoRAConfig
 from rl.config_sections import (
     AlgoSection,
     DataSection,
-    LoRASection,
     ModelSection,
     OptimSection,
     RaySection,
@@ -52,6 +53,15 @@ from rl.config_sections import (
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
+# Keys renamed after recipes were written: the old spelling still works (recipes, overrides, saved
+# configs) with a FutureWarning naming the new key. `rollout.dspark.cotrain` is the old switch only
+# when given a bool: it is now the co-trainer's own section (rollout.dspark.cotrain_config).
+RENAMED_KEYS = {
+    "rollout.dspark.cotrain": "rollout.dspark.cotrain.enabled",
+    **{f"rollout.dspark.cotrain_{k}": f"rollout.dspark.cotrain.{k}" for k in ("steps", "lr", "every",
+                                                                             "replay_steps", "focus")},
+}  # fmt: skip
+
 
 @dataclass
 class TrainConfig:
@@ -63,7 +73,7 @@ class TrainConfig:
     output_dir: str | None = None
     resume: str | None = None
     model: ModelSection = field(default_factory=ModelSection)
-    lora: LoRASection = field(default_factory=LoRASection)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # the adapter's own config is the section
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     reward: RewardSection = field(default_factory=RewardSection)
@@ -92,9 +102,9 @@ class TrainConfig:
             "an adapter: set rollout.backend=native (model.family=minimax_m3) or lora.projector_modules=[]",
         )
         require(
-            self.trainer.learner_parallel == "dp" or self.model.family == "minimax_m3",
+            self.trainer.learner_parallel == "none" or self.model.family == "minimax_m3",
             "trainer.learner_parallel=dep shards the MiniMax-M3 MoE experts; model.family=hf has none: "
-            "use trainer.learner_parallel=dp",
+            "use trainer.learner_parallel=none",
         )
         if self.rollout.engine_parallel != "none":
             self._check_parallel_engine()
@@ -170,6 +180,7 @@ def load_config(
         key = key.strip()
         where = f"override {_clip(item)!r}"
         require(bool(sep) and bool(key), f"{where} is not key=value (e.g. trainer.total_steps=5)")
+        key = _renamed(key, value.strip().lower() in ("true", "false"), where)
         if key == "recipe":
             raise ValueError("'recipe' cannot be overridden; pass it as recipe=NAME to the entry point")
         _check_key_path(key.split("."), where)
@@ -197,7 +208,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 
 def config_from_yaml(path: str | Path) -> TrainConfig:
     """Read a config written by `save_config` (or any full/partial config YAML) back, validated."""
-    body = _load_yaml(Path(path))
+    body = _rename_tree(_load_yaml(Path(path)), f"config {str(path)!r}")
     return _to_object(_merge(OmegaConf.structured(TrainConfig), body, f"config {str(path)!r}"))
 
 
@@ -243,6 +254,7 @@ def _compose_file(path: Path, rdir: Path, chain: tuple[str, ...]) -> dict[str, A
         isinstance(bases, list) and all(isinstance(b, str) for b in bases),
         f"{path}: 'defaults' must be a list of recipe names, got {bases!r}",
     )
+    _rename_tree(body, f"recipe {path.stem!r}")
     _check_tree(body, TrainConfig, "", f"recipe {path.stem!r}")
     merged = OmegaConf.create({})
     for base in bases:
@@ -250,6 +262,37 @@ def _compose_file(path: Path, rdir: Path, chain: tuple[str, ...]) -> dict[str, A
     out = OmegaConf.to_container(OmegaConf.merge(merged, body))
     assert isinstance(out, dict)
     return out
+
+
+def _renamed(key: str, is_bool: bool, where: str) -> str:
+    """The current spelling of dotted `key` (RENAMED_KEYS), warning when it was an old one."""
+    new = RENAMED_KEYS.get(key)
+    if new is None or (key == "rollout.dspark.cotrain" and not is_bool):
+        return key
+    warnings.warn(f"{where}: {key} is deprecated: write {new}", FutureWarning, stacklevel=3)
+    return new
+
+
+def _rename_tree(body: dict[str, Any], where: str) -> dict[str, Any]:
+    """Move the old keys of a recipe / config body (RENAMED_KEYS) to their new place, in place.
+    Table order matters: the old bool switch moves before its siblings fill the new section."""
+    for old, new in RENAMED_KEYS.items():
+        *path, leaf = old.split(".")
+        node: Any = body
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node[leaf]
+        if _renamed(old, isinstance(value, bool), where) == old:
+            continue
+        del node[leaf]
+        *new_path, new_leaf = new.split(".")
+        node = body
+        for part in new_path:
+            node = node.setdefault(part, {})
+        node[new_leaf] = value
+    return body
 
 
 def _section_of(cls: type, name: str) -> type | None:

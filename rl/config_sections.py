@@ -1,5 +1,7 @@
-"""The sections of a training config: one validated dataclass per component (model, LoRA, data,
-rollout, reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take.
+"""The sections of a training config: one validated dataclass per component (model, data, rollout,
+reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take. A component
+whose own config is torch-free is its section as it is (`lora`: model.layers.lora_config.LoRAConfig,
+`rollout.dspark.cotrain`: rollout.dspark.cotrain_config.CoTrainConfig).
 
 What: the schema `rl.config.TrainConfig` nests (recipes and overrides are composed and merged there,
 in rl/config.py, which also checks the constraints that span sections). Every field is documented in
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model.config import PRESETS, ModelConfig
+from rollout.dspark.cotrain_config import CoTrainConfig
 
 ModelDtype = Literal["fp32", "bf16"]
-AdapterDtype = Literal["float32", "bfloat16"]
 DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]
 RolloutBackend = Literal["native", "vllm"]
 ModelFamily = Literal["minimax_m3", "hf"]
@@ -33,21 +36,15 @@ CacheDtype = Literal["fp32", "bf16", "fp8", "nvfp4", "nvfp4_4over6"]
 RewardKind = Literal["math_dapo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Device = Literal["cpu", "cuda"]
-LearnerParallel = Literal["dp", "dep"]
+# "none" = no model parallelism inside the replica / learner group (learners are still data parallel);
+# "dp" is the old spelling of "none" for trainer.learner_parallel (accepted with a FutureWarning).
+LearnerParallel = Literal["none", "dep", "dp"]
 EngineParallel = Literal["none", "dep", "dcp"]
 TrackingMode = Literal["offline", "online", "disabled"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
     "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
 }  # fmt: skip
-
-# Mirrors model.layers.lora.TargetModule (kept here so loading a config does not import torch;
-# tests/rl/test_config.py checks the two agree).
-LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
-    "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
-PROJECTOR_TARGETS = ("multi_modal_projector", "patch_merge_mlp")  # model.layers.lora.ProjectorTarget
 
 
 def require(ok: bool, msg: str) -> None:
@@ -105,36 +102,6 @@ class ModelSection:
 
 
 @dataclass
-class LoRASection:
-    """Adapter shape; mirrors model.layers.lora.LoRAConfig. gate/up/down target the dense-prefix MLP
-    and every MoE layer's shared expert; routed experts are a separate switch."""
-
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    routed_experts: bool = False
-    dtype: AdapterDtype = "float32"
-    # Vision models: adapt the image projector too (multi_modal_projector / patch_merge_mlp); the
-    # tower stays frozen. Native backend only (vLLM's LoRA does not cover the projector).
-    projector_modules: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        require(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
-        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
-        require(not bad, f"lora.projector_modules: unknown module(s) {bad}; valid: {list(PROJECTOR_TARGETS)}")
-        require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
-        require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
-        require(not bad, f"lora.target_modules: unknown module(s) {bad}; valid: {list(LORA_TARGETS)}")
-        require(
-            bool(self.target_modules) or self.routed_experts or bool(self.projector_modules),
-            "lora: no adapter target (target_modules and projector_modules are empty and routed_experts "
-            "is false)",
-        )
-
-
-@dataclass
 class DataSection:
     """Prompts. `dapo_math`: the hub datasets `hub_train` / `hub_eval` first, falling back to the
     local parquet files `train_path` / `eval_path` (verl schema) when the hub is unreachable.
@@ -186,30 +153,19 @@ class DSparkSection:
     """DSpark speculative decoding in the native engine (rollout/dspark). `drafter`: a directory
     holding `dspark/` (python -m rollout.dspark.train); None = no speculation. `mode`: how many
     drafts are verified per step ("scheduled" by the drafter's confidence, or all: "fixed").
-    `cotrain`: distil the drafter on the rollouts of the last `cotrain_replay_steps` steps
-    (`cotrain_steps` optimizer steps at `cotrain_lr`, every `cotrain_every` steps; `cotrain_focus`
-    > 0 weights the positions whose drafts would be rejected more) and publish it to every engine,
+    `cotrain` is the co-trainer's own config (rollout/dspark/cotrain_config.py): with
+    `cotrain.enabled` the drafter is distilled on the latest rollouts and published to every engine,
     so acceptance follows the changing policy (rollout/dspark/cotrain.py)."""
 
     drafter: str | None = None
     mode: SpecMode = "scheduled"
-    cotrain: bool = False
-    cotrain_steps: int = 20
-    cotrain_lr: float = 5e-4
-    cotrain_every: int = 1
-    cotrain_replay_steps: int = 4
-    cotrain_focus: float = 0.0
+    cotrain: CoTrainConfig = field(default_factory=CoTrainConfig)
 
     def __post_init__(self) -> None:
-        at_least(self, "rollout.dspark", 1, "cotrain_steps", "cotrain_every", "cotrain_replay_steps")
-        require(self.cotrain_lr > 0, f"rollout.dspark.cotrain_lr must be > 0, got {self.cotrain_lr}")
         require(
-            self.cotrain_focus >= 0, f"rollout.dspark.cotrain_focus must be >= 0, got {self.cotrain_focus}"
-        )
-        require(
-            not self.cotrain or self.drafter is not None,
-            "rollout.dspark.cotrain=true needs rollout.dspark.drafter=DIR (a drafter to start from; "
-            "python -m rollout.dspark.train builds one)",
+            not self.cotrain.enabled or self.drafter is not None,
+            "rollout.dspark.cotrain.enabled=true needs rollout.dspark.drafter=DIR (a drafter to start "
+            "from; python -m rollout.dspark.train builds one)",
         )
 
 
@@ -396,7 +352,7 @@ class TrainerSection:
     device: Device = "cpu"
     kv_sim: bool = False
     num_learners: int = 1
-    learner_parallel: LearnerParallel = "dp"
+    learner_parallel: LearnerParallel = "none"
     num_gpus: float = 0.0
     torch_threads: int = 1
     # Reliability: a rollout/reward actor that dies is restarted up to `max_restarts` times (its
@@ -413,6 +369,14 @@ class TrainerSection:
             self, "trainer", 1, "keep_checkpoints", "num_learners", "torch_threads", "max_nonfinite_steps"
         )
         at_least(self, "trainer", 0, "max_restarts")
+        if self.learner_parallel == "dp":
+            warnings.warn(
+                "trainer.learner_parallel=dp is deprecated: write trainer.learner_parallel=none (data-"
+                "parallel learners without expert parallelism; the spelling rollout.engine_parallel uses)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.learner_parallel = "none"
         from rl.faults import parse as parse_faults
 
         parse_faults(self.fault_injection)

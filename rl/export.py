@@ -45,7 +45,7 @@ from model.adapter import (
     load_adapter,
     read_adapter,
 )
-from model.checkpoint import FINGERPRINT_PREFIX, base_fingerprint, load_model, save_model
+from model.checkpoint import base_fingerprint, load_model, save_model
 from model.config import ModelConfig
 from model.integrity import write_manifest
 from model.layers.lora import LoRAConfig, LoRALinear, apply_lora, load_lora_state_dict, merge_lora
@@ -224,7 +224,7 @@ def export_merged(
     fp = None
     if meta.base_fingerprint:  # in the dtype the learner held the base in: the fingerprint covers dtypes
         held = load_model(base_dir, device, dtype=_DTYPES.get(meta.base_dtype or "bfloat16", torch.bfloat16))
-        fp = base_fingerprint(held, legacy=not meta.base_fingerprint.startswith(FINGERPRINT_PREFIX))
+        fp = base_fingerprint(held)
         del held
     # Merge from an fp32 load: quantized non-expert weights dequantize exactly only in fp32 (NVFP4
     # values times an fp32 scale_2 are generally not bf16 numbers).

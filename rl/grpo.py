@@ -1,8 +1,9 @@
 """GRPO / DAPO numerics: group advantages, the clipped policy loss, KL, entropy, reward shaping.
 
-What: pure tensor functions used by the driver (advantages, dynamic sampling, overlong shaping) and
-the learner (policy loss, KL, entropy). They take tensors and scalars and return tensors plus, for
-the loss, a dict of scalar *tensors* (the caller decides when to sync them to the host).
+What: every algorithmic decision of a step, as pure functions the driver (advantages, dynamic
+sampling's keep and refill, overlong shaping) and the learner (mini-batches, micro-batch weights,
+policy loss, KL, entropy) only call. They take tensors (or flat per-sample lists) and scalars and
+return tensors plus, for the loss, a dict of scalar *tensors* (the caller decides when to sync).
 
 Why these definitions: they are the ones verl's `core_algos` uses, so a run here is comparable with
 a verl run; tests/rl/test_grpo.py checks equality against verl on random ragged batches.
@@ -28,6 +29,7 @@ weights, metrics).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
@@ -111,12 +113,53 @@ def group_advantages(
         return adv
 
 
-def dynamic_sampling_keep(rewards_BG: torch.Tensor) -> torch.Tensor:
-    """DAPO dynamic sampling: bool [B], True for groups whose G rewards are not all equal (a group
-    with equal rewards has zero advantage everywhere and contributes no gradient)."""
-    if rewards_BG.dim() != 2:
-        raise ValueError(f"rewards must be [B, G], got shape {tuple(rewards_BG.shape)}")
-    return rewards_BG.amax(dim=1) > rewards_BG.amin(dim=1)
+def sample_advantages(rewards: Sequence[float], uids: Sequence[str]) -> list[float]:
+    """`group_advantages` of flat per-sample lists: sample i's GRPO advantage within the group of
+    samples sharing its prompt id `uids[i]` (the driver's entry point: samples, not tensors)."""
+    return group_advantages(torch.tensor(rewards, dtype=torch.float32), _group_ids(uids)).tolist()
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups carry a gradient. A group whose rewards are all equal has
+    zero advantage everywhere and is dropped.
+
+    Layouts as `group_advantages`: `rewards` [B, G] -> bool [B] per group; or `rewards` [N] with
+    `group_ids` [N] (ragged groups) -> bool [N], True for samples whose group's rewards differ."""
+    if group_ids is None:
+        if rewards.dim() != 2:
+            raise ValueError(f"rewards must be [B, G] without group_ids, got shape {tuple(rewards.shape)}")
+        return rewards.amax(dim=1) > rewards.amin(dim=1)
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards [N] and group_ids [N] expected, got {tuple(rewards.shape)}, {tuple(group_ids.shape)}"
+        )
+    r = rewards.float()
+    # SYNC: unique's output size is data-dependent; once per generation round.
+    _, inv_N = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inv_N.max()) + 1 if inv_N.numel() else 0
+    hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inv_N, r, "amax")
+    lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inv_N, r, "amin")
+    return (hi > lo)[inv_N]
+
+
+def keep_varied_groups(rewards: Sequence[float], uids: Sequence[str]) -> list[bool]:
+    """`dynamic_sampling_keep` of flat per-sample lists (groups = equal `uids`): keep sample i?"""
+    if not rewards:
+        return []
+    return dynamic_sampling_keep(torch.tensor(rewards, dtype=torch.float32), _group_ids(uids)).tolist()
+
+
+def needs_another_round(kept_groups: int, batch_groups: int, rounds_done: int, max_regen_rounds: int) -> bool:
+    """DAPO dynamic sampling's refill: generate another round of prompts while fewer than
+    `batch_groups` groups were kept and regenerations remain (round 1 is the step's generation,
+    then up to `max_regen_rounds` more; a short batch is trained on as it is)."""
+    return kept_groups < batch_groups and rounds_done <= max_regen_rounds
+
+
+def _group_ids(uids: Sequence[str]) -> torch.Tensor:
+    """Integer group id [N] of each sample: the rank of its uid among the sorted distinct uids."""
+    index = {u: i for i, u in enumerate(sorted(set(uids)))}
+    return torch.tensor([index[u] for u in uids], dtype=torch.long)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -176,6 +219,22 @@ def agg_loss(
             loss = loss / (loss_scale_factor if loss_scale_factor is not None else loss_BT.shape[-1])
         return loss
     raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def micro_batch_weight(tokens: float, total_tokens: float) -> float:
+    """Weight of one micro-batch's token-mean loss in its mini-batch's: its response tokens over the
+    mini-batch's (all data-parallel learners'), so the summed gradients are the token mean over the
+    whole mini-batch (DAPO's token-level loss), however it is split. An empty mini-batch counts 1."""
+    return tokens / max(1.0, total_tokens)
+
+
+def mini_batch_index(uids: Sequence[str], groups_per_mini: int | None) -> tuple[list[int], int]:
+    """Mini-batch of each sample and how many there are: groups (equal uids) in order of first
+    appearance, `groups_per_mini` to a mini-batch (None: one mini-batch); a group is never split."""
+    order = list(dict.fromkeys(uids))
+    per_mini = groups_per_mini or max(1, len(order))
+    of_uid = {u: i // per_mini for i, u in enumerate(order)}
+    return [of_uid[u] for u in uids], -(-len(order) // per_mini)
 
 
 def tis_weights(

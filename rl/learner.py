@@ -92,11 +92,8 @@ class Learner:
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
 
-    def fingerprint(self, legacy: bool = False) -> str:
-        """The base's fingerprint (`legacy`: the format recorded before per-expert hashing; not for
-        DEP learners, whose shards can only be fingerprinted in the current format)."""
-        if legacy:
-            return policy_fingerprint(self.model, legacy=True)
+    def fingerprint(self) -> str:
+        """The whole base's fingerprint (DEP: gathered over the group by `init_group`)."""
         return self._fingerprint or policy_fingerprint(self.model)
 
     # ------------------------------------------------------------------ data-parallel group
@@ -255,10 +252,8 @@ class Learner:
         maybe_fail(spec, out, "learner.train_step", self.version)
         poison = maybe_fail(spec, out, "learner.loss", self.version)
         self.model.train()
-        uids = list(dict.fromkeys(s.uid for s in samples))
-        per_mini = a.mini_batch_prompts or len(uids)
-        mini_of = {u: i // per_mini for i, u in enumerate(uids)}
-        minis = [[s for s in samples if mini_of[s.uid] == m] for m in range(-(-len(uids) // per_mini))]
+        mini_of, n_minis = grpo.mini_batch_index([s.uid for s in samples], a.mini_batch_prompts)
+        minis = [[s for s, m in zip(samples, mini_of, strict=True) if m == i] for i in range(n_minis)]
         if self.world > 1:  # this learner's shard of every mini-batch (possibly empty)
             minis = [m[self.rank :: self.world] for m in minis]
         mb = max(1, cfg.trainer.micro_batch_size)
@@ -292,7 +287,7 @@ class Learner:
                         logp_BT, old_BT, batch["adv"], mask, a.eps_low, a.eps_high, a.loss_agg,
                         rollout_logp_BT=batch["rollout_logp"], tis_cap=a.tis_cap,
                     )  # fmt: skip
-                    weight = float(mask.sum()) / max(1.0, total_tokens)
+                    weight = grpo.micro_batch_weight(float(mask.sum()), total_tokens)
                     if poison:  # injected fault (rl/faults.py): a NaN loss, as overflow would give
                         loss = loss * float("nan")
                     (loss * weight).backward()

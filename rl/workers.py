@@ -11,6 +11,7 @@ Invariants: the learner and every rollout worker load the *same* NVFP4 base dire
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from common.tokenizer import load_tokenizer
 from model.checkpoint import base_fingerprint, load_model
-from model.layers.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_state_dict
+from model.layers.lora import apply_lora, load_lora_state_dict, lora_state_dict
 from rl import grpo
 from rl.config import TrainConfig
 from rl.faults import maybe_fail
@@ -68,7 +69,7 @@ def build_policy(
         model.config.kv_cache_dtype = cfg.rollout.kv_cache_dtype
     if cfg.rollout.index_cache_dtype is not None:
         model.config.index_cache_dtype = cfg.rollout.index_cache_dtype
-    return apply_lora(model, lora_config(cfg), seed=cfg.trainer.seed)
+    return apply_lora(model, cfg.lora, seed=cfg.trainer.seed)
 
 
 def dep_expert_range(base_dir: str, rank: int, world: int) -> tuple[int, int]:
@@ -79,18 +80,35 @@ def dep_expert_range(base_dir: str, rank: int, world: int) -> tuple[int, int]:
     return expert_ranges(ModelConfig.from_pretrained(base_dir).num_local_experts, world)[rank]
 
 
-def lora_config(cfg: TrainConfig) -> LoRAConfig:
-    """The run's `lora` section as the model's LoRAConfig (one place: build and export agree)."""
-    lc = cfg.lora
-    return LoRAConfig(
-        r=lc.r,
-        alpha=lc.alpha,
-        dropout=lc.dropout,
-        target_modules=list(lc.target_modules),
-        routed_experts=lc.routed_experts,
-        dtype=lc.dtype,
-        projector_modules=list(lc.projector_modules),
-    )
+def vllm_settings(
+    cfg: TrainConfig, base_dir: str, lora_targets: tuple[str, ...], index: int, eos_token_id: int | None
+):
+    """The vLLM engine's settings for rollout worker `index`. Every `rollout.<name>` or
+    `rollout.vllm_<name>` key and every `lora.<name>` (as `lora_<name>`) that names a VLLMSettings
+    field is passed by that name (dataclasses.fields: a key added to both sides needs no line here);
+    what the run derives (base directory, PEFT target names, seed, drafter path) is added."""
+    from rollout.vllm_backend import VLLMSettings
+
+    names = {f.name for f in dataclasses.fields(VLLMSettings)}
+    kwargs = {}
+    for f in dataclasses.fields(cfg.rollout):
+        name = f.name.removeprefix("vllm_")
+        if name in names:
+            kwargs[name] = getattr(cfg.rollout, f.name)
+    for f in dataclasses.fields(cfg.lora):
+        if f"lora_{f.name}" in names:
+            kwargs[f"lora_{f.name}"] = getattr(cfg.lora, f.name)
+    drafter = cfg.rollout.dspark.drafter
+    return VLLMSettings(**{
+        **kwargs,
+        "model": base_dir,
+        "dtype": kwargs["dtype"] or cfg.model.dtype,  # rollout.vllm_dtype null: the model's
+        "lora_targets": lora_targets,
+        "max_lora_rank": max(32, cfg.lora.r),
+        "seed": cfg.trainer.seed + index,
+        "drafter": str(Path(drafter) / "dspark") if drafter else None,
+        "eos_token_id": eos_token_id,
+    })  # fmt: skip
 
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -105,12 +123,11 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         load_lora_state_dict(model, tensors)
 
 
-def policy_fingerprint(model: torch.nn.Module, legacy: bool = False, group=None) -> str:
-    """The base's fingerprint (collective over `group` when the model holds a shard of its experts;
-    `legacy`: the format of fingerprints recorded before per-expert hashing, model.checkpoint)."""
+def policy_fingerprint(model: torch.nn.Module, group=None) -> str:
+    """The base's fingerprint (collective over `group` when the model holds a shard of its experts)."""
     if hasattr(model, "fingerprint"):
         return model.fingerprint()
-    return base_fingerprint(model, group=group, legacy=legacy)
+    return base_fingerprint(model, group=group)
 
 
 class RolloutWorker:
@@ -141,16 +158,13 @@ class RolloutWorker:
             # A resumed co-training run continues from its own latest drafter (cotrain_drafter saves
             # every version to output_dir/drafter), not from the shipped one it started with.
             own = Path(cfg.output_dir) / "drafter"
-            src = own if ds.cotrain and cfg.resume and (own / "dspark").is_dir() else ds.drafter
+            src = own if ds.cotrain.enabled and cfg.resume and (own / "dspark").is_dir() else ds.drafter
             self.drafter = load_drafter(src, target=self.model, device=self.model.lm_head.weight.device)
             spec = SpecConfig(mode=ds.mode)
-            if ds.cotrain and index == 0:  # worker 0 trains; the driver publishes to the others
-                from rollout.dspark.cotrain import CoTrainConfig, CoTrainer
+            if ds.cotrain.enabled and index == 0:  # worker 0 trains; the driver publishes to the others
+                from rollout.dspark.cotrain import CoTrainer
 
-                self.cotrainer = CoTrainer(self.model, self.drafter, CoTrainConfig(
-                    steps=ds.cotrain_steps, lr=ds.cotrain_lr, every=ds.cotrain_every,
-                    replay_steps=ds.cotrain_replay_steps, focus=ds.cotrain_focus, seed=cfg.trainer.seed,
-                ))  # fmt: skip
+                self.cotrainer = CoTrainer(self.model, self.drafter, ds.cotrain, seed=cfg.trainer.seed)
         self.engine = NativeEngine(
             self.model,
             max_pages=cfg.rollout.max_pages,
@@ -164,9 +178,9 @@ class RolloutWorker:
 
     def _init_vllm(self, base_dir: str) -> None:
         from model.adapter import peft_target_modules
-        from rollout.vllm_backend import VLLMEngine, VLLMSettings
+        from rollout.vllm_backend import VLLMEngine
 
-        cfg, r = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         if cfg.model.family == "hf":
             from rl.hf_policy import twin_fingerprint
 
@@ -175,17 +189,8 @@ class RolloutWorker:
         else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support)
             self._fingerprint = base_fingerprint(load_model(base_dir, device="cpu"))
             targets = tuple(peft_target_modules(list(cfg.lora.target_modules)))
-        kv = r.kv_cache_dtype if r.kv_cache_dtype not in (None, "fp32") else "auto"
-        dtypes = {"fp32": "float32", "bf16": "bfloat16"}
-        self.engine = VLLMEngine(VLLMSettings(
-            model=base_dir, dtype=dtypes[r.vllm_dtype or cfg.model.dtype], max_model_len=r.max_model_len,
-            lora_r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_targets=targets,
-            max_lora_rank=max(32, cfg.lora.r), kv_cache_dtype=kv,
-            gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=r.tensor_parallel_size,
-            max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed + self.index,
-            drafter=str(Path(r.dspark.drafter) / "dspark") if r.dspark.drafter else None,
-            sync=r.vllm_sync, eos_token_id=self.tokenizer.eos_token_id,
-        ))  # fmt: skip
+        eos = self.tokenizer.eos_token_id
+        self.engine = VLLMEngine(vllm_settings(cfg, base_dir, targets, self.index, eos))
 
     def fingerprint(self) -> str:
         return self._fingerprint

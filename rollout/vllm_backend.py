@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 
+from model.adapter import peft_config_dict
 from rollout.engine import Completion, EngineStats, Request
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,15 @@ class VLLMSettings:
     learner sends (PEFT names). `drafter` is a DSpark drafter directory (speculative decoding)."""
 
     model: str
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "fp32" / "bf16" (the trainer's spelling) are read as float32 / bfloat16
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16"] = "auto"
     max_model_len: int = 2048
     lora_r: int = 32
     lora_alpha: float = 64.0
+    lora_dropout: float = 0.0  # recorded in the adapter config vLLM parses (inference ignores it)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     max_lora_rank: int = 32
-    kv_cache_dtype: str = "auto"  # KV_DTYPES keys
+    kv_cache_dtype: str | None = "auto"  # KV_DTYPES keys; None or "fp32": the model's dtype ("auto")
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
@@ -92,6 +95,9 @@ class VLLMSettings:
 
     def __post_init__(self) -> None:
         self.lora_targets = tuple(self.lora_targets)
+        self.dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
+        if self.kv_cache_dtype in (None, "fp32"):  # vLLM keeps an unquantized cache in the model dtype
+            self.kv_cache_dtype = "auto"
         if not self.model:
             raise ValueError("VLLMSettings.model: give the model directory vLLM should load")
         if self.kv_cache_dtype not in KV_DTYPES:
@@ -276,11 +282,6 @@ def adapter_name(version: int) -> str:
     return f"policy-v{version}"
 
 
-def peft_config_dict(r: int, alpha: float, targets: tuple[str, ...]) -> dict:
-    return {"r": r, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "lora_dropout": 0.0}  # fmt: skip
-
-
 class VLLMEngine:
     """The engine protocol on vllm.LLM. Build inside a Ray actor or under `if __name__ ==
     "__main__"` (vLLM spawns processes)."""
@@ -332,7 +333,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
         lora_id, name = version + 1, adapter_name(version)
-        peft_cfg = peft_config_dict(s.lora_r, s.lora_alpha, s.lora_targets)
+        peft_cfg = peft_config_dict(s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_targets)
         old = self._lora_request
         old_dir = self._ram_dir
         if self.sync_mode == "tensors":

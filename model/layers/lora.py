@@ -1,121 +1,35 @@
 """LoRA adapters on the frozen (NVFP4 or float) MiniMax-M3 base.
 
-What: `LoRAConfig`, `LoRALinear` (shares the wrapped layer's weight, adds B(A(x)) * alpha / r),
-`ExpertLoRA` (per-expert A/B stacked [E, r, in] / [E, out, r] on the `ExpertBank.lora` hook), and
-`apply_lora`, `lora_state_dict`, `load_lora_state_dict`, `lora_num_parameters`, `lora_num_bytes`,
-`merge_lora`. Why: only adapters train and move; a `dict[str, Tensor]` from `lora_state_dict` is
-the unit that sync, checkpoints and export carry.
-
-Invariants: the base is never copied (parameter names and `base_fingerprint` are unchanged by
-`apply_lora`; expert storage is untouched) and is frozen; PEFT's init (A Kaiming-uniform, B zeros), so
-a fresh adapter is bit-identical to the base; adapter names end in `lora_A.weight` / `lora_B.weight`
-and contain `lora_`, which is how `base_fingerprint` tells adapter from base.
+What: `LoRALinear` (shares the wrapped layer's weight, adds B(A(x)) * alpha / r), `ExpertLoRA`
+(per-expert A/B stacked [E, r, in] / [E, out, r] on the `ExpertBank.lora` hook), and `apply_lora`,
+`lora_state_dict`, `load_lora_state_dict`, `lora_num_parameters`, `lora_num_bytes`, `merge_lora`;
+the config is model/layers/lora_config.py's `LoRAConfig`. Why: only adapters train and move.
+Invariants: the base is never copied and is frozen (names and `base_fingerprint` unchanged); PEFT's
+init (A Kaiming-uniform, B zeros) makes a fresh adapter bit-identical to the base; adapter names end
+in `lora_A.weight` / `lora_B.weight`. Legend: M tokens, I / O features, R rank, E experts.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.kernels.moe import Proj
-from model.layers.moe import PROJS, ExpertBank
-
-# Legend: M tokens, I / O a projection's input / output features, R rank, E experts.
-
-TargetModule = Literal[
-    "q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj",
-    "gate_proj", "up_proj", "down_proj",
-]  # fmt: skip
-"""Logical linears an adapter may target. Attention: q/k/v/o; the lightning indexer: index_q/index_k
-(off by default: selection is discrete, they get no gradient through the attention output);
-MLP: gate/up/down of the dense prefix MLP *and* of every MoE layer's shared expert. Routed experts
-are chosen separately (`LoRAConfig.routed_experts`): they are a stacked bank, not nn.Linears."""
-TARGET_MODULES: tuple[str, ...] = get_args(TargetModule)
-DEFAULT_TARGETS: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+from model.layers.lora_config import (  # noqa: F401  (the names adapter code imports from here)
+    DEFAULT_TARGETS,
+    PROJECTOR_TARGETS,
+    TARGET_MODULES,
+    AdapterDtype,
+    LoRAConfig,
+    ProjectorTarget,
+    TargetModule,
 )
-ProjectorTarget = Literal["multi_modal_projector", "patch_merge_mlp"]
-"""Vision projector modules an adapter may target (both linears of each; model/vision/lora.py). The
-vision tower itself is never adapted; text targets never reach it."""
-PROJECTOR_TARGETS: tuple[str, ...] = get_args(ProjectorTarget)
-AdapterDtype = Literal["float32", "bfloat16"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class LoRAConfig:
-    """Adapter shape. `alpha` defaults to 2 * r (scaling alpha / r = 2.0), the usual choice for RL
-    fine-tuning with rank-32 adapters; keep alpha fixed when sweeping r to keep the update scale.
-    `dtype` is the adapter parameters' dtype (fp32 by default: the optimizer state is tiny and fp32
-    avoids bf16 rounding of small updates); the delta is cast to the activation dtype when added."""
-
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    routed_experts: bool = False
-    dtype: AdapterDtype = "float32"
-    projector_modules: list[str] = field(default_factory=list)  # vision models only
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
-            raise ValueError(f"LoRAConfig.r must be a positive int, got {self.r!r}")
-        if not isinstance(self.alpha, int | float) or not self.alpha > 0:
-            raise ValueError(f"LoRAConfig.alpha must be a positive number, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if isinstance(self.target_modules, str):
-            raise ValueError(
-                f"LoRAConfig.target_modules must be a list of names, got {self.target_modules!r}"
-            )
-        self.target_modules = list(self.target_modules)
-        unknown = [t for t in self.target_modules if t not in TARGET_MODULES]
-        if unknown:
-            raise ValueError(
-                f"LoRAConfig.target_modules has unknown names {unknown}; valid: {list(TARGET_MODULES)} "
-                "(routed experts: set routed_experts=True)"
-            )
-        if len(set(self.target_modules)) != len(self.target_modules):
-            raise ValueError(f"LoRAConfig.target_modules has duplicates: {self.target_modules}")
-        self.target_modules = [t for t in TARGET_MODULES if t in self.target_modules]  # canonical order
-        if isinstance(self.projector_modules, str):
-            raise ValueError(
-                f"LoRAConfig.projector_modules must be a list of names, got {self.projector_modules!r}"
-            )
-        bad = [m for m in self.projector_modules if m not in PROJECTOR_TARGETS]
-        if bad:
-            raise ValueError(
-                f"LoRAConfig.projector_modules has unknown names {bad}; valid: {list(PROJECTOR_TARGETS)}"
-            )
-        self.projector_modules = [m for m in PROJECTOR_TARGETS if m in self.projector_modules]
-        if not self.target_modules and not self.routed_experts and not self.projector_modules:
-            raise ValueError(
-                "LoRAConfig targets nothing: give target_modules or projector_modules, or set "
-                "routed_experts=True"
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"LoRAConfig.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        self.alpha = float(self.alpha)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+from model.layers.moe import PROJS, ExpertBank
 
 
 def _init_lora_A_(w_RI: torch.Tensor, generator: torch.Generator | None) -> None:

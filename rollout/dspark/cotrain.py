@@ -1,10 +1,11 @@
-"""Online co-training of the DSpark drafter during RL (`rollout.dspark.cotrain=true`).
+"""Online co-training of the DSpark drafter during RL (`rollout.dspark.cotrain.enabled=true`).
 
 Why: GRPO changes the policy (its LoRA adapter) every step; a drafter distilled from the step-0
 policy predicts an ever older distribution and its acceptance decays. Verification stays lossless
 either way (FACTS.md section 4), so this is purely a speed matter.
 
-What: `CoTrainer(target, drafter, CoTrainConfig(...))` keeps one optimizer and a replay buffer.
+What: `CoTrainer(target, drafter, CoTrainConfig(...), seed)` (rollout/dspark/cotrain_config.py)
+keeps one optimizer and a replay buffer.
 `update(sequences)`, once per policy step with that step's rollouts (prompt + completion ids,
 sampled by the policy the target holds right now):
 1. one target pass over the rollouts gives the drafter's fused hidden states and the policy's
@@ -36,37 +37,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
+from rollout.dspark.cotrain_config import CoTrainConfig
 from rollout.dspark.model import Drafter
 from rollout.dspark.train import Features, build_features, distill_loss, estimate_accept_len, sample_anchors
-
-
-@dataclass
-class CoTrainConfig:
-    steps: int = 20  # drafter optimizer steps per training round
-    lr: float = 5e-4
-    every: int = 1  # a training round every `every` policy steps
-    replay_steps: int = 4  # a round trains on the rollouts of the last `replay_steps` policy steps
-    batch_size: int = 32
-    anchors_per_seq: int = 4
-    focus: float = 0.0  # loss weight x (position TV / mean TV) ** focus; 0 = the offline loss
-    max_seqs_per_step: int = 256  # a random subset beyond this (bounds the buffer and the features pass)
-    eval_seqs: int = 64  # sequences of each step the held-out acceptance is measured on
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "every", "replay_steps", "batch_size", "anchors_per_seq", "max_seqs_per_step",
-                     "eval_seqs"):  # fmt: skip
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"CoTrainConfig.{name} must be an int >= 1, got {v!r}")
-        if not self.lr > 0:
-            raise ValueError(f"CoTrainConfig.lr must be > 0, got {self.lr}")
-        if not self.focus >= 0:
-            raise ValueError(f"CoTrainConfig.focus must be >= 0, got {self.focus}")
 
 
 def concat_features(parts: list[Features]) -> Features:
@@ -88,10 +64,13 @@ def concat_features(parts: list[Features]) -> Features:
 
 
 class CoTrainer:
-    def __init__(self, target: torch.nn.Module, drafter: Drafter, cfg: CoTrainConfig | None = None):
+    def __init__(
+        self, target: torch.nn.Module, drafter: Drafter, cfg: CoTrainConfig | None = None, seed: int = 0
+    ):
+        """`seed`: the co-trainer's own draws (subsets, anchors, batches); a run passes trainer.seed."""
         self.target, self.drafter = target, drafter
         self.cfg = cfg or CoTrainConfig()
-        self.gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.gen = torch.Generator().manual_seed(seed)
         self.buffer: deque[Features] = deque(maxlen=self.cfg.replay_steps)
         self.opt: torch.optim.Optimizer | None = None
         self.calls = 0

@@ -59,14 +59,14 @@ def test_lora_config_defaults_are_rank32_alpha64_attention_and_mlp():
 
 
 def test_lora_config_unknown_target_error_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown names \['qkv_proj'\].*'q_proj'.*routed_experts"):
+    with pytest.raises(ValueError, match=r"unknown module\(s\) \['qkv_proj'\].*'q_proj'.*routed_experts"):
         LoRAConfig(target_modules=["q_proj", "qkv_proj"])
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"r": 0}, "r must be a positive int"), ({"alpha": -1}, "alpha"), ({"dropout": 1.0}, "dropout"),
-     ({"target_modules": "q_proj"}, "list of names"), ({"target_modules": []}, "targets nothing"),
+     ({"target_modules": "q_proj"}, "list of names"), ({"target_modules": []}, "no adapter target"),
      ({"dtype": "float16"}, "dtype")],
 )  # fmt: skip
 def test_lora_config_invalid_field_is_named(kwargs, match):

@@ -191,5 +191,5 @@ def test_projector_only_adapter_and_unknown_projector_names():
     m = apply_lora(build(), LoRAConfig(r=2, target_modules=[], projector_modules=["multi_modal_projector"]))
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]
     assert trainable and all(n.startswith("vision.multi_modal_projector.") for n in trainable)
-    with pytest.raises(ValueError, match="projector_modules has unknown names"):
+    with pytest.raises(ValueError, match=r"lora.projector_modules: unknown module"):
         LoRAConfig(projector_modules=["vision_tower"])

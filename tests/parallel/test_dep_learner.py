@@ -31,7 +31,7 @@ from model.parallel.expert_parallel import ExpertParallelMoE
 from model.parallel.groups import launch_local
 from rl.config import load_config
 from rl.learner import Learner
-from rl.trainer import prepare_base
+from rl.topology import prepare_base
 from rl.workers import Sample
 
 SCALED_TOL = 1e-5  # of the reference tensor's largest magnitude (gradients here are ~1e-4, moments ~1e-9)

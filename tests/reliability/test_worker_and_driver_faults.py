@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
-from rl.trainer import Trainer, TrainingAborted  # noqa: E402
+from rl.topology import TrainingAborted  # noqa: E402
+from rl.trainer import Trainer  # noqa: E402
 from rollout.bases.warmup import ensure_base  # noqa: E402
 
 pytestmark = pytest.mark.reliability

@@ -133,6 +133,18 @@ def test_missing_file_is_named(tmp_path):
         load_checkpoint(path)
 
 
+def test_one_checkpoint_error_covers_model_and_run_checkpoints(tmp_path):
+    from model.checkpoint import CheckpointError as ModelCheckpointError
+    from model.checkpoint import load_model
+    from model.config import ModelConfig
+
+    assert CheckpointError is ModelCheckpointError
+    ModelConfig.preset("tiny").save_pretrained(tmp_path / "model")  # a config without weights
+    for bad in (lambda: load_checkpoint(tmp_path), lambda: load_model(tmp_path / "model")):
+        with pytest.raises(CheckpointError, match=str(tmp_path)):
+            bad()
+
+
 def test_resume_none_or_empty_run_dir(tmp_path):
     assert resume_checkpoint(tmp_path, None) is None
     assert resume_checkpoint(tmp_path, "auto") is None

@@ -16,7 +16,6 @@ from rl.config import (
     load_config,
     save_config,
 )
-from rl.config_sections import LORA_TARGETS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +65,9 @@ def test_dapo_math_documented_cpu_dry_run_overrides_give_a_cpu_tiny_config():
         "cpu", "native", 0.0, 0.0,
     )  # fmt: skip
     assert cfg.data.train_path == "../shared/data/dapo_math_17k.parquet"
+    assert (cfg.trainer.num_learners, cfg.trainer.learner_parallel) == (1, "none")
+    flagship = load_config("dapo_math").trainer
+    assert (flagship.num_learners, flagship.learner_parallel, flagship.num_gpus) == (4, "dep", 1.0)
 
 
 def test_overrides_are_typed_nested_and_list_valued():
@@ -194,12 +196,6 @@ def test_save_then_load_config_round_trips_equal(tmp_path):
     assert config_to_dict(back)["optim"]["betas"] == [0.9, 0.999]
 
 
-def test_lora_targets_match_the_lora_module():
-    from model.layers.lora import TARGET_MODULES
-
-    assert set(LORA_TARGETS) == set(TARGET_MODULES)
-
-
 def test_tracking_mode_none_resolves_from_wandb_mode_then_api_key(monkeypatch):
     cfg = load_config("quickstart")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -221,23 +217,99 @@ def test_projector_modules_are_checked_and_need_the_native_engine():
         load_config("geo_vision", ["lora.projector_modules=[patch_merge_mlp]", "rollout.backend=vllm"])
 
 
-def test_projector_targets_match_the_lora_module():
-    from model.layers.lora import PROJECTOR_TARGETS as MODEL_PROJECTOR_TARGETS
-    from rl.config_sections import PROJECTOR_TARGETS
-
-    assert PROJECTOR_TARGETS == MODEL_PROJECTOR_TARGETS
-
-
-def test_lora_section_maps_every_field_to_the_model_lora_config():
-    # The trainer exports with this config: a dropped field (routed_experts once was) writes an adapter
-    # whose metadata disagrees with its tensors, and loading it fails.
-    from rl.workers import lora_config
+def test_lora_section_is_the_model_lora_config_itself():
+    # The section is model.layers.lora_config.LoRAConfig (no mirror to keep in step): build, sync and
+    # export read cfg.lora as it is, and its checks and messages are the recipe's.
+    from model.layers.lora import LoRAConfig
 
     cfg = load_config(
         "geo_vision",
         ["lora.routed_experts=true", "lora.dtype=bfloat16", "lora.projector_modules=[patch_merge_mlp]"],
     )
-    lc = lora_config(cfg)
-    assert (lc.r, lc.alpha, lc.dropout) == (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
-    assert set(lc.target_modules) == set(cfg.lora.target_modules)
-    assert (lc.routed_experts, lc.dtype, lc.projector_modules) == (True, "bfloat16", ["patch_merge_mlp"])
+    assert type(cfg.lora) is LoRAConfig
+    assert (cfg.lora.routed_experts, cfg.lora.dtype, cfg.lora.projector_modules) == (
+        True,
+        "bfloat16",
+        ["patch_merge_mlp"],
+    )
+    assert cfg.lora.scaling == cfg.lora.alpha / cfg.lora.r
+    with pytest.raises(ValueError, match=r"lora.r must be a positive int, got 0"):
+        load_config("quickstart", ["lora.r=0"])
+    with pytest.raises(ValueError, match=r"unknown key 'rank' in section 'lora'; valid keys: \[.*'r'"):
+        load_config("quickstart", ["lora.rank=8"])
+
+
+def test_loading_a_config_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rl.config import load_config\ncfg = load_config('dapo_math')\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "False"
+
+
+def test_learner_parallel_off_is_none_and_the_old_dp_warns_with_the_new_spelling():
+    assert load_config("quickstart").trainer.learner_parallel == "none"
+    with pytest.warns(FutureWarning, match=r"write trainer\.learner_parallel=none"):
+        cfg = load_config("quickstart", ["trainer.learner_parallel=dp"])
+    assert cfg.trainer.learner_parallel == "none"
+    with pytest.raises(ValueError, match=r"use trainer\.learner_parallel=none"):
+        load_config("quickstart_vllm", ["trainer.learner_parallel=dep"])
+
+
+def test_every_hint_in_rl_names_a_value_its_key_accepts():
+    # A message that says `section.key=value` for a key with fixed choices must name one of them
+    # (trainer.learner_parallel=none was once advised while the config accepted only dp|dep).
+    import typing
+
+    hinted = set()
+    for path in (REPO / "rl").glob("*.py"):
+        hinted |= set(re.findall(r"\b((?:[a-z]+\.)+[a-z_]+)=([a-z0-9_.|-]+)", path.read_text()))
+    checked = 0
+    for key, values in sorted(hinted):
+        hint: typing.Any = TrainConfig
+        for part in key.split("."):
+            hints = typing.get_type_hints(hint) if hasattr(hint, "__dataclass_fields__") else {}
+            hint = hints.get(part)
+        choices = {a for t in (typing.get_args(hint) or (hint,)) for a in typing.get_args(t)}
+        if typing.get_origin(hint) is typing.Literal:
+            choices = set(typing.get_args(hint))
+        if not choices:
+            continue
+        for value in values.rstrip("|").split("|"):
+            assert value in choices or (value == "null" and type(None) in typing.get_args(hint)), (key, value)
+            checked += 1
+    assert checked >= 10
+
+
+def test_dspark_cotrain_section_is_the_cotrainer_config_and_old_keys_still_work(tmp_path):
+    from rollout.dspark.cotrain_config import CoTrainConfig
+
+    new = [
+        "rollout.dspark.drafter=/d",
+        "rollout.dspark.cotrain.enabled=true",
+        "rollout.dspark.cotrain.steps=3",
+    ]
+    cfg = load_config("quickstart", new)
+    assert cfg.rollout.dspark.cotrain == CoTrainConfig(enabled=True, steps=3)
+    old = ["rollout.dspark.drafter=/d", "rollout.dspark.cotrain=true", "rollout.dspark.cotrain_steps=3"]
+    with pytest.warns(
+        FutureWarning,
+        match=r"rollout\.dspark\.cotrain_steps is deprecated: write rollout\.dspark\.cotrain\.steps",
+    ):
+        assert load_config("quickstart", old).rollout.dspark == cfg.rollout.dspark
+    _write(
+        tmp_path,
+        "old",
+        "defaults: [quickstart]\nrollout:\n  dspark:\n    drafter: /d\n    cotrain_steps: 3\n"
+        "    cotrain: true\n",
+    )
+    with pytest.warns(FutureWarning, match=r"rollout\.dspark\.cotrain is deprecated"):
+        assert load_config(str(tmp_path / "old.yaml")).rollout.dspark.cotrain == cfg.rollout.dspark.cotrain
+    with pytest.raises(ValueError, match=r"needs rollout\.dspark\.drafter=DIR"):
+        load_config("quickstart", ["rollout.dspark.cotrain.enabled=true"])
+    with pytest.raises(ValueError, match=r"unknown key 'stepz' in section 'rollout\.dspark\.cotrain'"):
+        load_config("quickstart", ["rollout.dspark.cotrain.stepz=3"])

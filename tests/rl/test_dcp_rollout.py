@@ -18,7 +18,7 @@ from model.config import ModelConfig  # noqa: E402
 from rl.config import load_config  # noqa: E402
 from rl.replicas import RolloutRank, RolloutReplica, fetch, replica_size  # noqa: E402
 from rl.sync import make_update  # noqa: E402
-from rl.trainer import prepare_base  # noqa: E402
+from rl.topology import prepare_base  # noqa: E402
 from rl.workers import RolloutWorker, adapter_tensors  # noqa: E402
 from tests.rl.test_dep_rollout import QUICK, _fit, _same_run  # noqa: E402
 

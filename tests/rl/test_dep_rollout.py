@@ -20,7 +20,8 @@ from model.parallel.expert_parallel import ExpertParallelMoE  # noqa: E402
 from rl.config import load_config  # noqa: E402
 from rl.replicas import RolloutRank, RolloutReplica, fetch  # noqa: E402
 from rl.sync import make_update  # noqa: E402
-from rl.trainer import Trainer, prepare_base  # noqa: E402
+from rl.topology import prepare_base  # noqa: E402
+from rl.trainer import Trainer  # noqa: E402
 from rl.workers import RolloutWorker, adapter_tensors  # noqa: E402
 
 QUICK = (

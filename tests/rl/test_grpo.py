@@ -221,6 +221,59 @@ def test_dynamic_sampling_keeps_only_groups_with_distinct_rewards():
     assert grpo.dynamic_sampling_keep(r).tolist() == [False, True, False, True]
 
 
+def test_dynamic_sampling_keep_ragged_groups_equals_a_per_group_loop():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (40,), generator=gen) * 7  # any integer ids, groups of uneven size
+    rewards = torch.randint(0, 2, (40,), generator=gen).float()
+    rewards[ids == 0] = 1.0  # one group all equal, whatever the draw
+    keep = grpo.dynamic_sampling_keep(rewards, ids)
+    expected = [len(set(rewards[ids == g].tolist())) > 1 for g in ids.tolist()]
+    assert keep.tolist() == expected and not keep[ids == 0].any()
+    r_BG = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    flat = grpo.dynamic_sampling_keep(r_BG.flatten(), torch.tensor([0, 0, 1, 1]))
+    assert flat.tolist() == grpo.dynamic_sampling_keep(r_BG).repeat_interleave(2).tolist()
+
+
+def test_keep_varied_groups_drops_equal_reward_groups_of_flat_samples():
+    uids = ["b", "b", "a", "a", "c", "c"]
+    assert grpo.keep_varied_groups([1.0, -1.0, 1.0, 1.0, -1.0, -1.0], uids) == [True, True] + [False] * 4
+    assert grpo.keep_varied_groups([], []) == []
+
+
+def test_needs_another_round_until_enough_groups_or_no_regenerations_left():
+    assert grpo.needs_another_round(kept_groups=3, batch_groups=8, rounds_done=1, max_regen_rounds=2)
+    assert grpo.needs_another_round(3, 8, 3, 2) is False  # the step's round + 2 regenerations done
+    assert grpo.needs_another_round(8, 8, 1, 2) is False  # enough groups
+    assert grpo.needs_another_round(3, 8, 1, 0) is False  # regeneration off
+
+
+def test_sample_advantages_of_flat_samples_equal_group_advantages_of_the_BG_layout():
+    r_BG = torch.tensor([[1.0, -1.0, -1.0, 1.0], [1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]])
+    uids = [u for u in ("z", "a", "m") for _ in range(4)]
+    got = grpo.sample_advantages(r_BG.flatten().tolist(), uids)
+    assert got == grpo.group_advantages(r_BG).flatten().tolist()
+
+
+def test_mini_batch_index_keeps_groups_whole_in_first_appearance_order():
+    uids = ["p", "p", "q", "q", "r", "r", "s"]
+    assert grpo.mini_batch_index(uids, 2) == ([0, 0, 0, 0, 1, 1, 1], 2)
+    assert grpo.mini_batch_index(uids, None) == ([0] * 7, 1)
+    assert grpo.mini_batch_index([], None) == ([], 0)
+
+
+def test_micro_batch_weights_make_the_token_mean_of_the_whole_mini_batch():
+    gen = torch.Generator().manual_seed(0)
+    loss_BT, mask = torch.randn(6, 5, generator=gen), _ragged_mask(6, 5, gen)
+    total = float(mask.sum())
+    parts = [(loss_BT[i : i + 2], mask[i : i + 2]) for i in range(0, 6, 2)]
+    weighted = sum(
+        grpo.agg_loss(lb, mb, "token-mean") * grpo.micro_batch_weight(float(mb.sum()), total)
+        for lb, mb in parts
+    )
+    torch.testing.assert_close(weighted, grpo.agg_loss(loss_BT, mask, "token-mean"))
+    assert grpo.micro_batch_weight(0.0, 0.0) == 0.0
+
+
 def test_overlong_penalty_is_zero_then_linear_to_minus_penalty():
     lengths = torch.tensor([0, 10, 12, 14, 16, 20])
     out = grpo.overlong_penalty(lengths, max_tokens=16, buffer=4, penalty=1.0)

@@ -15,7 +15,8 @@ ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
 from rl.learner import Learner  # noqa: E402
-from rl.trainer import Trainer, prepare_base  # noqa: E402
+from rl.topology import prepare_base  # noqa: E402
+from rl.trainer import Trainer  # noqa: E402
 from rl.workers import Sample  # noqa: E402
 
 QUICK = (

@@ -50,7 +50,8 @@ TINY_DAPO = (
     "rollout.tensor_parallel_size=1", "reward.overlong_buffer=2", "algo.batch_prompts=2",
     "algo.mini_batch_prompts=null", "algo.dynamic_sampling=false", "trainer.total_steps=2",
     "trainer.eval_every=2", "trainer.eval_n_samples=1", "trainer.save_every=0", "trainer.device=cpu",
-    "trainer.num_gpus=0", "trainer.micro_batch_size=4", "ray.num_cpus=2", "tracking.mode=offline",
+    "trainer.num_gpus=0", "trainer.num_learners=1", "trainer.learner_parallel=none",
+    "trainer.micro_batch_size=4", "ray.num_cpus=2", "tracking.mode=offline",
 )  # fmt: skip
 
 
