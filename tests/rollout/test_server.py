@@ -214,7 +214,7 @@ def _url(url) -> dict:
         (lambda: _url("data:image/png;base64,@@notbase64@@"), "base64"),
         (lambda: _url("data:image/png;base64,iVBORw0KGgo="), "image 0"),  # a PNG signature only
         (lambda: _url("https://example.com/a.png"), "not fetched"),
-        (lambda: _url("/no/such/file.png"), "does not exist"),
+        (lambda: _url("/no/such/file.png"), "local image files are not served"),
         (lambda: _png_part(700, 600, 3), "max_image_bytes"),
         (lambda: _png_part(1200, 1000, 3, solid=True), "max_source_pixels"),
         (lambda: {"type": "image_url", "image_url": {}}, "url"),
