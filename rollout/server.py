@@ -85,9 +85,9 @@ def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer) -> lis
 
 
 def local_image_parts(messages: list[dict[str, Any]], allowed: tuple[Path, ...]) -> list[dict[str, Any]]:
-    """Messages whose local image paths (file:// or bare) lie under an allowed directory, rewritten
-    to the resolved path; any other local path gets the same 400 whether it exists or not, so a
-    client cannot probe the server's files."""
+    """Messages whose local image paths (file:// or bare, absolute) name files under an allowed
+    directory, rewritten to the resolved path; every other local path gets the same 400, whether
+    it exists or not, so a client cannot probe the server's files."""
     out = []
     for m in messages:
         if isinstance(m["content"], list):
@@ -111,7 +111,8 @@ def _allowed_image(part: dict[str, Any], allowed: tuple[Path, ...]) -> dict[str,
         return part  # http(s) and unknown schemes: refused downstream with their own message
     path = Path(unquote(urlparse(url).path) if scheme == "file" else url)
     resolved = path.resolve() if path.is_absolute() else None
-    if resolved is None or not any(resolved.is_relative_to(d) for d in allowed):
+    inside = resolved is not None and any(resolved.is_relative_to(d) for d in allowed)
+    if not (inside and resolved.is_file()):
         raise OpenAIError(
             400,
             "local image files are not served: send the image inline as "
