@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 REPLACEMENT = "\ufffd"  # what decode writes for an incomplete UTF-8 sequence
+_PARTIAL = 3  # ids of a character still arriving: at most 3 bytes of a 4-byte UTF-8 sequence
 _MAX_HELD_TOKENS = 8  # ids held while the text ends mid-character (a UTF-8 character: <= 4 bytes)
 
 
@@ -45,15 +46,24 @@ class IncrementalDetokenizer:
         if self._read == len(self.ids):
             return ""
         done = self.decode(self.ids[self._prefix : self._read])
-        unread = self.decode(self.ids[self._prefix :])[len(done) :]  # the text of ids[read:]
+        window = self.decode(self.ids[self._prefix :])
+        unread = window[len(done) :]  # the text of ids[read:]
         held = len(self.ids) - self._read
-        if not final and unread.endswith(REPLACEMENT) and held < _MAX_HELD_TOKENS:
-            stable = unread.rstrip(REPLACEMENT)
-            new = stable[self._ahead :]
-            self._ahead = max(self._ahead, len(stable))
-        else:
-            new = unread[self._ahead :]
-            self._prefix, self._read, self._ahead = self._read, len(self.ids), 0
+        cut = len(self.ids)
+        if not final and unread.endswith(REPLACEMENT):
+            if held < _MAX_HELD_TOKENS:
+                stable = unread.rstrip(REPLACEMENT)  # text before a trailing partial character
+                new = stable[self._ahead :]
+                self._ahead = max(self._ahead, len(stable))
+                self.text += new
+                return new
+            # Held too long (a run of undecodable ids): release all but the last _PARTIAL ids (a
+            # character still arriving) at an id boundary no complete character straddles.
+            cut = next((k for k in range(cut - _PARTIAL, self._read, -1)
+                        if window.startswith(self.decode(self.ids[self._prefix : k]))), cut)  # fmt: skip
+            unread = self.decode(self.ids[self._prefix : cut])[len(done) :]
+        new = unread[self._ahead :]
+        self._prefix, self._read, self._ahead = self._read, cut, max(self._ahead - len(unread), 0)
         self.text += new
         return new
 
