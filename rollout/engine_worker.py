@@ -151,9 +151,8 @@ class EngineWorker:
             if self._in_flight >= self.max_pending:
                 raise Busy(f"{self._in_flight} requests in flight (the server's max_pending)")
             self._in_flight += 1
-        samples = [
-            _Sample(i, IncrementalDetokenizer(self.decode), StopMatcher(stops)) for i in range(request.n)
-        ]
+        stop = StopMatcher(stops)  # one automaton per request, one matcher state per sample
+        samples = [_Sample(i, IncrementalDetokenizer(self.decode), stop.fresh()) for i in range(request.n)]
         job = _Job(request.request_id, samples, emit, stream)
         self._post(lambda: self._add(request, job))
 

@@ -101,6 +101,18 @@ class StopMatcher:
                     out[nxt] = out[fail[nxt]]
                 queue.append(nxt)
         self._goto, self._fail, self._depth, self._out = goto, fail, depth, out
+        self._reset()
+
+    def fresh(self) -> StopMatcher:
+        """A matcher at the start of a new text sharing this one's automaton (built once per
+        request, not once per sample)."""
+        twin = object.__new__(StopMatcher)
+        twin.stops, twin._goto, twin._fail, twin._depth, twin._out = (
+            self.stops, self._goto, self._fail, self._depth, self._out)  # fmt: skip
+        twin._reset()
+        return twin
+
+    def _reset(self) -> None:
         self._state = 0
         self._fed = 0  # characters fed so far
         self.match: tuple[int, str] | None = None  # (start index in the fed text, stop string)
