@@ -269,8 +269,14 @@ def test_a_dropped_stream_is_aborted_and_its_pages_freed(server):
         got = [next(lines) for _ in range(6)]  # a few chunks (and blank separators)
         assert any(line.startswith("data: {") for line in got)
         assert _pages_in_use(app, engine) > 0
+        steps = app.state.worker.call(lambda: engine.stats().steps)
+        t0 = time.perf_counter()
     # The client is gone: the sequence must leave the engine and give its pages back.
     _wait_until(lambda: _pages_in_use(app, engine) == 0, what="pages freed after the stream was dropped")
+    after = app.state.worker.call(lambda: engine.stats().steps) - steps
+    print(
+        f"dropped stream: pages freed {time.perf_counter() - t0:.3f} s, {after} engine steps after the close"
+    )
     assert not app.state.worker.call(engine.has_unfinished)
     _serves(url)
 
@@ -292,9 +298,12 @@ def test_a_dropped_non_streamed_request_is_aborted_and_its_pages_freed(server):
 def test_a_long_request_does_not_hold_back_a_short_one(server):
     url, engine, app = server
     short = {"model": "tiny", "prompt": "12+35=", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    t0 = time.perf_counter()
-    assert _post(url, "/v1/completions", short).status_code == 200
-    alone_s = time.perf_counter() - t0
+    alone = []
+    for _ in range(2):  # the faster of two: the first may pay a warm-up
+        t0 = time.perf_counter()
+        assert _post(url, "/v1/completions", short).status_code == 200
+        alone.append(time.perf_counter() - t0)
+    alone_s = min(alone)
     long_done, started, leave = threading.Event(), threading.Event(), threading.Event()
 
     def run_long():
