@@ -181,10 +181,16 @@ def stop_strings(body: _Body, limits: ServerLimits) -> tuple[str, ...]:
 
 
 def admit(
-    body: _Body, prompt_ids: list[int], max_tokens: int | None, limits: ServerLimits, images: tuple = ()
+    body: _Body,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    limits: ServerLimits,
+    images: tuple = (),
+    eos_ids: tuple[int, ...] = (),
 ) -> tuple[Request, tuple[str, ...]]:
     """The engine request for a validated body (stop strings apart: the server matches them), or
-    a 400 naming the field and the limit."""
+    a 400 naming the field and the limit. `eos_ids` (the tokenizer's) stop it unless `ignore_eos`,
+    as they stop the trainer's rollouts."""
     if not prompt_ids:
         raise OpenAIError(400, "prompt is empty")
     _in_range("temperature", body.temperature, 0.0, 2.0)
@@ -227,7 +233,7 @@ def admit(
         top_k=top_k,
         min_p=body.min_p,
         max_tokens=max_tokens,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else tuple(eos_ids)),
         ignore_eos=body.ignore_eos,
     )
     return Request(tuple(prompt_ids), params, n=body.n, seed=body.seed, images=images), stops

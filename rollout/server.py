@@ -198,7 +198,8 @@ async def generate(
     images: tuple = (),
 ):
     check_model(state, body.model)
-    request, stops = admit(body, prompt_ids, max_tokens, state.limits, images)
+    eos = tuple(getattr(state.tokenizer, "stop_token_ids", ()))
+    request, stops = admit(body, prompt_ids, max_tokens, state.limits, images, eos)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
     events = submit(state, dataclasses.replace(request, request_id=rid), stops, body.stream)
     created = int(time.time())
