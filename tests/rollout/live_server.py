@@ -9,7 +9,7 @@ import time
 
 import uvicorn
 
-from rollout.server import uvicorn_config
+from rollout.http_guards import uvicorn_config
 
 
 def free_port() -> int:
