@@ -202,23 +202,33 @@ def skipped_row_metrics(skipped: Mapping[str, int]) -> dict[str, float]:
 
 
 def read_parquet_rows(
-    path: str | Path, required: Sequence[str] = REQUIRED_COLUMNS, schema: str = VERL_SCHEMA
+    path: str | Path,
+    required: Sequence[str] = REQUIRED_COLUMNS,
+    schema: str = VERL_SCHEMA,
+    key: str = "data.train_path / data.eval_path",
 ) -> list[dict[str, Any]]:
     """Rows of a parquet with the `required` columns (default: verl-style) plus data_source if it has
-    one; a clear error names a missing column."""
+    one; a clear error names the file, the recipe `key` that points at it and a missing column."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"parquet file {str(path)!r} not found: set data.train_path / data.eval_path to a parquet with "
+            f"{key}: parquet file {str(path)!r} not found: set it to a parquet with "
             f"{schema} (copies of DAPO-Math-17K and AIME-2024 live in <repo>/../shared/data; geo_vision's "
             "is written by python -m common.geo_data --out data/geo_vision)"
         )
-    names = pq.read_schema(path).names
-    _check_columns(names, f"parquet {str(path)!r}", required, schema)
-    columns = [c for c in ("data_source", *required) if c in names]
-    return pq.read_table(path, columns=columns).to_pylist()
+    try:
+        names = pq.read_schema(path).names
+        _check_columns(names, f"parquet {str(path)!r}", required, schema)
+        columns = [c for c in ("data_source", *required) if c in names]
+        return pq.read_table(path, columns=columns).to_pylist()
+    except (pa.ArrowException, OSError) as e:  # truncated, flipped bytes, not a parquet at all
+        raise ValueError(
+            f"{key}: {str(path)!r} is not a readable parquet file ({type(e).__name__}: {e}). Fix: point "
+            f"{key} at an intact parquet with {schema} (re-copy or re-download the file)"
+        ) from None
 
 
 def _load_rows(
@@ -229,8 +239,10 @@ def _load_rows(
     split: str = "train",
     required: Sequence[str] = REQUIRED_COLUMNS,
     schema: str = VERL_SCHEMA,
+    key: str = "data.train_path",
 ) -> Iterable[Mapping[str, Any]]:
-    """Rows from split `split` of the hub dataset `hub`, else from the local parquet `path`."""
+    """Rows from split `split` of the hub dataset `hub`, else from the local parquet `path` (the
+    recipe's `key`, named in errors)."""
     if hub is not None:
         try:
             import datasets
@@ -254,7 +266,7 @@ def _load_rows(
             )  # fmt: skip
     if path is None:
         raise ValueError(f"{what}: give a hub dataset name or a local parquet path")
-    return read_parquet_rows(path, required, schema)
+    return read_parquet_rows(path, required, schema, key)
 
 
 def load_dapo_math(
@@ -273,7 +285,8 @@ def load_aime_2024(
 ) -> list[Prompt]:
     """AIME-2024 (verl-style rows), re-templated like the training prompts: the Qwen \\boxed{}
     system prompt is dropped and the problem wrapped in DAPO's "Answer:" template."""
-    return records_from_rows(_load_rows(hub, path, "AIME-2024"), "aime_2024", "aime2024", skipped=skipped)
+    rows = _load_rows(hub, path, "AIME-2024", key="data.eval_path")
+    return records_from_rows(rows, "aime_2024", "aime2024", skipped=skipped)
 
 
 def load_geo_vision(
@@ -293,7 +306,7 @@ def load_geo_vision(
 
     rows = _load_rows(
         hub, path, f"geo_vision ({split})", split=split, required=geo_data.GEO3K_COLUMNS,
-        schema=geo_data.GEO3K_SCHEMA,
+        schema=geo_data.GEO3K_SCHEMA, key="data.train_path" if split == "train" else "data.eval_path",
     )  # fmt: skip
     return geo_data.records_from_geo3k_rows(
         rows, hub or "geo_vision", f"geo-{split}", skipped=skipped, max_images=max_images,

@@ -3,12 +3,17 @@
 Parses the command line, loads and validates the recipe (rl/config.py), builds the quickstart's
 warmed-up base if the recipe asks for it, and runs the GRPO trainer (rl/trainer.py). Bad input (an
 unknown recipe or key, a wrong type, a missing checkpoint) ends with a one-line error naming the
-problem and the fix, and exit code 2.
+problem and the fix, and exit code 2; so does a bad `output_dir` (checked before anything is
+written) and a project error raised inside a Ray actor (a corrupt checkpoint, a bad data file),
+found under Ray's wrappers (`root_error`).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 USAGE = "usage: python -m rl.train recipe=NAME [dotted.key=value ...]"
@@ -56,6 +61,68 @@ def _config_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TypeError, KeyError, OSError, RecursionError, yaml.YAMLError)
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Raise OSError with one line naming the path and the fix unless `output_dir` is (or can be
+    made) a writable directory. Creates it (the run would); writes nothing else for long."""
+    path = Path(output_dir)
+    fix = "Fix: set output_dir=DIR to a directory you can write (a new path is created)"
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"output_dir {output_dir!r} is a file, not a directory. {fix}")
+    above = next((p for p in path.absolute().parents if p.exists()), None)
+    if not path.exists() and above is not None and not above.is_dir():
+        raise NotADirectoryError(f"output_dir {output_dir!r} lies under {str(above)!r}, a file. {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(
+            f"output_dir {output_dir!r} is not writable ({e.strerror or type(e).__name__}). {fix}"
+        ) from None
+
+
+# The last "SomeError: message" line of a traceback Ray kept only as text (ActorDiedError).
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
+
+
+def root_error(e: BaseException) -> str | None:
+    """The one-line message of the project error behind `e`, or None (a bug: keep its traceback).
+    Project errors are ValueError (both CheckpointErrors, data and config errors) and OSError
+    (files); Ray hides them: RayTaskError keeps the original in `.cause`, ActorDiedError (an
+    actor's __init__ raised) only the remote traceback's text, whose last error line is read."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RayTaskError):  # also an instance of the cause's class: unwrap first
+            e = e.cause
+            continue
+        if isinstance(e, RayActorError):
+            lines = [m for ln in str(e).splitlines() if (m := _ERROR_LINE.match(ln.strip()))]
+            return f"{lines[-1].group(1)}: {lines[-1].group(2)}" if lines else None
+        if isinstance(e, ValueError | OSError):
+            return _one_line(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _start_ray(cfg) -> None:
+    """Ray for the CLI run, as the trainer would start it but with the actors' output kept in Ray's
+    log files: an error inside an actor reaches the driver as an exception (one line through
+    `root_error`), not as its traceback streamed to this terminal once per actor."""
+    import logging
+
+    import ray
+
+    # Ray announces at every start that token authentication is on (its default); not ours to say.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from rl.config import load_config
 
@@ -71,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
     try:
+        check_output_dir(cfg.output_dir)
+    except OSError as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    try:
         if cfg.model.warmup and cfg.model.checkpoint and cfg.model.family == "hf":
             from rollout.bases.hf_toy import ensure_hf_toy_base
 
@@ -81,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             ensure_base(Path(cfg.model.checkpoint), preset=cfg.model.preset, device=cfg.trainer.device)
         from rl.trainer import run
 
+        _start_ray(cfg)
         final = run(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+    except Exception as e:
+        message = root_error(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2
     summary = ", ".join(
         f"{k} {v:.3f}" for k, v in final.items() if k in ("eval/acc", "reward/mean", "acc/mean")

@@ -1,34 +1,13 @@
-"""OpenAI-compatible HTTP server over a rollout engine (for serving exported adapters).
+"""OpenAI-compatible HTTP server over a rollout engine (serving exported adapters).
 
-What: `/v1/models`, `/v1/completions` and `/v1/chat/completions` (both with `stream`), backed by
-one engine driven by one background thread (`EngineWorker`): HTTP handlers enqueue requests,
-the worker adds them between steps and runs `step()` while anything is unfinished, and results
-flow back to the handlers' asyncio queues through thread-safe callbacks. `set_adapter` also runs
-on the worker between steps, so a swap never lands inside a forward.
-
-Bad input: every malformed request gets an OpenAI-shaped JSON error (400 malformed / out-of-range,
-404 unknown model or route, 405 wrong method) whose one-line message names the field, never a 500
-and never an echo of a huge input; numbers must be finite, `n` is capped (`max_n`), seeds must fit
-torch's generator, and a failure inside the engine thread is delivered to the requests it hit
-instead of silently killing the thread (which would hang every later request).
-
-Images: `/v1/chat/completions` accepts OpenAI content parts in user messages ({"type": "text"} and
-{"type": "image_url", "image_url": {"url": ...}} with a base64 data URL, a file:// URL or a local
-path) when the model has a vision tower; model.vision.chat_to_ids_and_images renders the chat with
-the tokenizer's own template, expands each image into its placeholder span and preprocesses it
-(off the event loop). A malformed, oversized or unsupported image, too many images, or images sent
-to a text-only model is a 400 whose message names the image and the problem. Text-only requests
-(string content, or text parts only) take the same path as before.
-
-Conventions: prompts may be text or token ids; `choices[i].token_ids` (an extension, as vLLM's
-`return_token_ids`) carries the sampled ids; `logprobs` follows rollout/engine.py (temperature-
-scaled, before truncation). Text stops at (and excludes) a matched stop string. Errors are
-OpenAI-shaped JSON: 400 for a malformed request, 404 for an unknown model.
-
-Run: `python -m rollout.server --preset tiny --port 8000` (random tiny model, byte tokenizer) or
-`--model CKPT [--tokenizer DIR] [--adapter DIR]`. One adapter at a time is served (the engine has
-one global adapter): `/v1/models` lists the base and, when loaded, the adapter (with the base as
-its parent), and only the adapter answers requests then.
+What: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both with `stream`) and `/health`,
+over one engine owned by one thread (rollout/engine_worker.py); the wire format and every admission
+check are in rollout/openai_api.py. Each handler below is a module-level function reading the app's
+`ServeState`. Hostile clients: a disconnected client's request is aborted before the next step;
+at most `max_pending` requests are in flight (then 429); half-sent headers or bodies time out;
+`--api-key` (or ROLLOUT_API_KEY) guards every route but `/health`; local image files are read only
+under `--allowed-local-media` directories. Run: `python -m rollout.serve --preset tiny` or
+`--model CKPT [--adapter DIR]` (the tokenizer is the one they record).
 """
 
 from __future__ import annotations
@@ -37,202 +16,298 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
+import os
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.tokenizer import Tokenizer, load_tokenizer, tokenizer_for
-from rollout.engine import Completion, Request, SamplingParams
-from rollout.native.engine import NativeEngine
+from rollout.engine import Request
+from rollout.engine_worker import Broken, Busy, EngineWorker
+from rollout.http_guards import BodyTimeout, RequireAPIKey, uvicorn_config
+from rollout.openai_api import (
+    ChatBody,
+    CompletionBody,
+    OpenAIError,
+    ServerLimits,
+    _Body,
+    admit,
+    chat_messages,
+    check_text,
+    chunk_body,
+    error_body,
+    error_json,
+    response_body,
+)
+
+API_KEY_ENV = "ROLLOUT_API_KEY"
 
 
-# --------------------------------------------------------------------------------- worker
-class EngineWorker:
-    """Owns the engine; one thread adds queued requests between steps and steps while busy."""
+@dataclass
+class ServeState:
+    """What the handlers share (app.state.serve)."""
 
-    def __init__(self, engine: NativeEngine):
-        self.engine = engine
-        self._inbox: list[Callable[[], None]] = []
-        self._cv = threading.Condition()
-        self._stop = False
-        self._done_cb: dict[str, Callable[[list[Completion]], None]] = {}
-        self._error_cb: dict[str, Callable[[Exception], None]] = {}
-        self._broken: Exception | None = None  # set when a step fails and the engine cannot drop requests
-        self._partial: dict[str, list[Completion]] = {}
-        self._n: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
-        self._thread.start()
+    worker: EngineWorker
+    tokenizer: Tokenizer
+    limits: ServerLimits
+    model_name: str
+    adapter_name: str | None = None
+    vision_config: Any = None
+    allowed_media: tuple[Path, ...] = ()  # directories local image files may come from
 
-    def submit(
-        self,
-        request: Request,
-        on_token: Callable[[int, int, float], None],
-        on_done: Callable[[list[Completion]], None],
-        on_error: Callable[[Exception], None],
-    ) -> None:
-        def add():
-            if self._broken is not None:
-                on_error(RuntimeError(f"the engine failed earlier ({self._broken}); restart the server"))
-                return
-            try:
-                rid = self.engine.add_request(request, on_token)
-            except Exception as e:  # invalid for this engine: that request fails, the thread lives on
-                on_error(e)
-                return
-            self._error_cb[rid] = on_error
-            self._done_cb[rid] = on_done
-            self._partial[rid] = []
-            self._n[rid] = request.n
+    @property
+    def served(self) -> list[str]:
+        return [self.model_name] + ([self.adapter_name] if self.adapter_name else [])
 
-        self._post(add)
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the worker between steps and wait for its result."""
-        box: dict[str, Any] = {}
-        ready = threading.Event()
+# --------------------------------------------------------------------------------- prompts
+def completion_prompt_ids(body: CompletionBody, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(body.prompt, str):
+        return tokenizer.encode(check_text("prompt", body.prompt)) if body.prompt else []
+    return list(body.prompt)
 
-        def run():
-            try:
-                box["value"] = fn()
-            except Exception as e:  # handed back to the caller's thread
-                box["error"] = e
-            ready.set()
 
-        self._post(run)
-        ready.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer) -> list[int]:
+    """The prompt ids of a text chat: exactly what the trainer feeds (common/tokenizer.py)."""
+    return tokenizer.chat_prompt(messages)
 
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join()
 
-    def _post(self, item: Callable[[], None]) -> None:
-        with self._cv:
-            self._inbox.append(item)
-            self._cv.notify()
+def local_image_parts(messages: list[dict[str, Any]], allowed: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """Messages whose local image paths (file:// or bare, absolute) name files under an allowed
+    directory, rewritten to the resolved path; every other local path gets the same 400, whether
+    it exists or not, so a client cannot probe the server's files."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            parts = []
+            for p in m["content"]:
+                if p.get("type") == "image_url":
+                    p = _allowed_image(p, allowed)
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
-    def _loop(self) -> None:
+
+def _allowed_image(part: dict[str, Any], allowed: tuple[Path, ...]) -> dict[str, Any]:
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or url.startswith("data:"):
+        return part
+    scheme = urlparse(url).scheme.lower()
+    if scheme not in ("", "file"):
+        return part  # http(s) and unknown schemes: refused downstream with their own message
+    path = Path(unquote(urlparse(url).path) if scheme == "file" else url)
+    resolved = path.resolve() if path.is_absolute() else None
+    inside = resolved is not None and any(resolved.is_relative_to(d) for d in allowed)
+    if not (inside and resolved.is_file()):
+        raise OpenAIError(
+            400,
+            "local image files are not served: send the image inline as "
+            "'data:image/png;base64,...' (a server started with --allowed-local-media "
+            "DIR reads absolute paths under DIR)",
+        )
+    return {**part, "image_url": {"url": str(resolved)}}
+
+
+async def image_chat_ids(state: ServeState, messages: list[dict[str, Any]]) -> tuple[list[int], tuple]:
+    from model.vision import ImageInputError, chat_to_ids_and_images
+
+    if state.vision_config is None:
+        raise OpenAIError(
+            400,
+            "image content parts need a model with a vision tower; this model is "
+            "text-only: send string content",
+        )
+    if not hasattr(state.tokenizer, "apply_chat_template"):
+        raise OpenAIError(400, "this server's tokenizer cannot render image chats (no chat template)")
+    messages = local_image_parts(messages, state.allowed_media)
+    try:  # decoding and resizing images is CPU work: keep it off the event loop
+        chat = await asyncio.to_thread(chat_to_ids_and_images, messages, state.tokenizer, state.vision_config)
+    except ImageInputError as e:
+        raise OpenAIError(400, f"bad image input: {e}") from e
+    return chat.input_ids, tuple(chat.images)
+
+
+# --------------------------------------------------------------------------------- handlers
+async def models(http: HTTPRequest):
+    state: ServeState = http.app.state.serve
+    now = int(time.time())
+    data = [{"id": m, "object": "model", "created": now, "owned_by": "rollout"} for m in state.served]
+    if state.adapter_name:
+        data[1]["parent"] = state.model_name
+    return {"object": "list", "data": data}
+
+
+async def health(http: HTTPRequest):
+    problem = http.app.state.serve.worker.health()
+    if problem is not None:
+        return error_json(503, f"the engine cannot serve: {problem}", "server_error")
+    return {"status": "ok"}
+
+
+async def completions(body: CompletionBody, http: HTTPRequest):
+    state: ServeState = http.app.state.serve
+    if body.logprobs is not None and not 0 <= body.logprobs <= state.limits.max_logprobs:
+        raise OpenAIError(
+            400, f"logprobs must be in [0, {state.limits.max_logprobs}] (or null), got {body.logprobs}"
+        )
+    ids = completion_prompt_ids(body, state.tokenizer)
+    return await generate(state, http, body, ids, body.max_tokens, chat=False)
+
+
+async def chat_completions(body: ChatBody, http: HTTPRequest):
+    state: ServeState = http.app.state.serve
+    messages, has_images = chat_messages(body.messages)
+    images: tuple = ()
+    if has_images:
+        ids, images = await image_chat_ids(state, messages)
+    else:
+        ids = chat_prompt_ids(messages, state.tokenizer)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await generate(state, http, body, ids, max_tokens, chat=True, images=images)
+
+
+def check_model(state: ServeState, name: str) -> None:
+    if name not in state.served:
+        raise OpenAIError(404, f"model {name!r} not found; served: {state.served}", "not_found_error")
+    if state.adapter_name and name != state.adapter_name:
+        # One global adapter: the base alone cannot be sampled while it is loaded.
+        raise OpenAIError(400, f"the engine serves adapter {state.adapter_name!r}; ask for that model")
+
+
+async def generate(
+    state: ServeState,
+    http: HTTPRequest,
+    body: _Body,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    chat: bool,
+    images: tuple = (),
+):
+    check_model(state, body.model)
+    eos = tuple(getattr(state.tokenizer, "stop_token_ids", ()))
+    request, stops = admit(body, prompt_ids, max_tokens, state.limits, images, eos)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    events = submit(state, dataclasses.replace(request, request_id=rid), stops, body.stream)
+    created = int(time.time())
+    decode_one = lambda t: state.tokenizer.decode([t])
+    first = await next_event(state, http, rid, events)  # request errors become 4xx before any byte
+    if not body.stream:
+        while first[0] != "done":
+            first = await next_event(state, http, rid, events)
+        prompt_ids = list(request.prompt_token_ids)
+        return response_body(rid, created, body, chat, first[1], prompt_ids, decode_one)
+    chunks = stream_events(state, rid, body, chat, first, events, created)
+    return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+def submit(state: ServeState, request: Request, stops: tuple[str, ...], stream: bool) -> asyncio.Queue:
+    """Hand `request` to the worker; its events arrive on the returned queue."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    emit = lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
+    try:
+        state.worker.submit(request, stops, emit, stream)
+    except Busy as e:
+        raise OpenAIError(429, f"server busy: {e}; retry later", "rate_limit_error") from None
+    except Broken as e:
+        raise OpenAIError(503, f"the engine cannot serve: {e}; restart the server", "server_error") from None
+    return queue
+
+
+async def next_event(state: ServeState, http: HTTPRequest, rid: str, events: asyncio.Queue) -> tuple:
+    """The request's next event ("delta" or "done"); its error as an OpenAIError. Aborts the
+    request if the client leaves meanwhile."""
+    got = asyncio.ensure_future(events.get())
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not got.done():
+        got.cancel()
+        state.worker.abort(rid)
+        raise OpenAIError(499, "client disconnected")  # nobody reads it
+    ev = got.result()
+    if ev[0] == "error":
+        raise OpenAIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+    return ev
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client closes the connection (the body was read: `receive` waits for that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def stream_events(state: ServeState, rid: str, body: _Body, chat: bool, first: tuple,
+                        events: asyncio.Queue, created: int):  # fmt: skip
+    """SSE chunks from `first` on; the request is aborted if the client leaves before the end
+    (starlette cancels this generator then). An error after the headers went out is sent as an
+    error event."""
+    finished, started, ev = False, set(), first
+    try:
         while True:
-            with self._cv:
-                while not (self._inbox or self._stop or self._busy()):
-                    self._cv.wait()
-                if self._stop:
-                    return
-                items, self._inbox = self._inbox, []
-            for item in items:
-                item()
-            if self._busy():
-                try:
-                    finished = self.engine.step()
-                except Exception as e:  # a bug or an engine fault: fail what is in flight, keep serving
-                    self._fail_all(e)
-                    continue
-                for c in finished:
-                    group = self._partial[c.request_id]
-                    group.append(c)
-                    if len(group) == self._n[c.request_id]:
-                        del self._partial[c.request_id], self._n[c.request_id]
-                        self._error_cb.pop(c.request_id, None)
-                        self._done_cb.pop(c.request_id)(sorted(group, key=lambda x: x.sample_index))
-
-    def _busy(self) -> bool:
-        return self._broken is None and self.engine.has_unfinished()
-
-    def _fail_all(self, error: Exception) -> None:
-        """Deliver `error` to every in-flight request. An engine that can drop them (`abort_request`)
-        keeps serving; one that cannot is marked broken (its state is unknown), and later requests
-        fail fast with a message saying so instead of hanging."""
-        print(f"engine step failed: {type(error).__name__}: {error}", file=sys.stderr)
-        abort = getattr(self.engine, "abort_request", None)
-        if abort is None:
-            self._broken = error
-        for rid in list(self._done_cb):
-            if abort is not None:
-                try:
-                    abort(rid)
-                except Exception as e:  # the engine cannot drop it: stop trusting the engine
-                    self._broken = e
-            self._done_cb.pop(rid, None)
-            self._partial.pop(rid, None)
-            self._n.pop(rid, None)
-            self._error_cb.pop(rid)(RuntimeError(f"engine failure: {type(error).__name__}: {error}"))
+            if ev[0] == "delta":
+                _, index, text, finish = ev
+                if text or finish is not None:
+                    chunk = chunk_body(rid, created, body, chat, index, text, finish, index not in started)
+                    yield _sse(chunk)
+                    started.add(index)
+            elif ev[0] == "error":
+                finished = True
+                kind = "server_error" if ev[1] >= 500 else "invalid_request_error"
+                yield _sse(error_body(ev[1], ev[2], kind))
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                finished = True
+                yield "data: [DONE]\n\n"
+                return
+            ev = await events.get()
+    finally:
+        if not finished:
+            state.worker.abort(rid)
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that may still change: a trailing replacement character
-    (an incomplete UTF-8 sequence the next token may complete) or text that could become (or
-    already holds) a stop string. Streaming sends only what precedes them."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
-    for s in stops:
-        at = text.find(s)
-        if at >= 0:
-            hold = max(hold, len(text) - at)
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
 
 
-# --------------------------------------------------------------------------------- API bodies
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stream: bool = False
+# --------------------------------------------------------------------------------- errors
+async def _bad_body(_: HTTPRequest, exc: RequestValidationError):
+    return error_json(400, f"malformed request: {_describe_validation(exc.errors())}")
 
 
-class CompletionBody(_Body):
-    prompt: str | list[int]
-    logprobs: int | None = None
+async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
+    messages = {
+        404: f"not found: no route {request.url.path}",
+        405: f"method {request.method} not allowed on {request.url.path}",
+        400: "malformed request: the body cannot be parsed as JSON",
+    }
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_json(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind)
 
 
-class ChatBody(_Body):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
+async def _openai_error(_: HTTPRequest, exc: OpenAIError):
+    return error_json(exc.status, exc.message, exc.kind)
 
 
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-_MAX_MESSAGE_CHARS = 1000
-_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
-
-
-def _error_json(status: int, message: str, kind: str) -> JSONResponse:
-    message = " ".join(message.split())  # one line
-    if len(message) > _MAX_MESSAGE_CHARS:
-        message = message[:_MAX_MESSAGE_CHARS] + " ... (cut)"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+async def _unexpected(_: HTTPRequest, exc: Exception):
+    print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return error_json(500, f"request failed: {type(exc).__name__}: {exc}", "server_error")
 
 
 def _describe_validation(errors: list[dict[str, Any]]) -> str:
@@ -252,263 +327,58 @@ def _describe_validation(errors: list[dict[str, Any]]) -> str:
     return "; ".join(f"{f}: {' or '.join(m)}" for f, m in by_field.items())
 
 
-def _chat_messages(raw: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
-    """Checked messages and whether any holds an image part. Content is a string or a list of
-    text / image_url parts; a list of text parts only is joined into a string (the text path)."""
-    messages, has_images = [], False
-    shape = "{'type': 'text', 'text': str} or {'type': 'image_url', 'image_url': {'url': str}}"
-    for i, m in enumerate(raw):
-        content = m.get("content")
-        if not isinstance(m.get("role"), str) or not isinstance(content, str | list):
-            raise OpenAIError(
-                400, "every message needs string 'role' and 'content' (a string or a list of content parts)"
-            )
-        if isinstance(content, list):
-            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
-            bad_text = any(k == "text" and not isinstance(p.get("text"), str) for k, p in zip(kinds, content))
-            if bad_text or any(k not in ("text", "image_url") for k in kinds):
-                raise OpenAIError(400, f"messages[{i}].content: every part must be {shape}")
-            if "image_url" in kinds:
-                has_images = True
-            else:
-                m = {**m, "content": "".join(p["text"] for p in content)}
-        messages.append(m)
-    return messages, has_images
-
-
 # --------------------------------------------------------------------------------- app
 def build_app(
-    engine: NativeEngine,
+    engine,
     tokenizer: Tokenizer,
     model_name: str = "base",
     adapter_name: str | None = None,
-    default_max_tokens: int = 256,
-    max_n: int = 64,
-) -> FastAPI:
-    """The FastAPI app; `app.state.worker` is the EngineWorker (close it on shutdown). `max_n` caps
-    the samples one request may ask for."""
-    app = FastAPI(title="rollout engine")
-    worker = EngineWorker(engine)
-    app.state.worker = worker
-    served = [model_name] + ([adapter_name] if adapter_name else [])
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: HTTPRequest, exc: RequestValidationError):
-        return _error_json(
-            400, f"malformed request: {_describe_validation(exc.errors())}", "invalid_request_error"
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+    allowed_local_media: tuple[str, ...] = (),
+    body_timeout_s: float = 30.0,
+    **limit_overrides,
+):
+    """The ASGI app; `app.state.serve.worker` is the EngineWorker (close it on shutdown). `limits`
+    default to the engine's context and vocabulary; keyword overrides (e.g. `max_n=4`) replace
+    single fields."""
+    cfg = getattr(engine, "config", None)
+    if limits is None:
+        limits = ServerLimits(
+            max_model_len=getattr(cfg, "max_position_embeddings", 2**31),
+            vocab_size=getattr(cfg, "vocab_size", None),
         )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: HTTPRequest, exc: StarletteHTTPException):
-        messages = {404: f"not found: no route {request.url.path}",
-                    405: f"method {request.method} not allowed on {request.url.path}",
-                    400: "malformed request: the body cannot be parsed as JSON"}  # fmt: skip
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_json(exc.status_code, messages.get(exc.status_code, str(exc.detail)), kind)
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: HTTPRequest, exc: OpenAIError):
-        return _error_json(exc.status, exc.message, exc.kind)
-
-    @app.get("/v1/models")
-    async def models():
-        now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "rollout"} for m in served]
-        if adapter_name:
-            data[1]["parent"] = model_name
-        return {"object": "list", "data": data}
-
-    def to_request(body: _Body, prompt_ids: list[int], max_tokens: int | None, images: tuple = ()) -> Request:
-        if body.model not in served:
-            raise OpenAIError(404, f"model {body.model!r} not found; served: {served}", "not_found_error")
-        if adapter_name and body.model != adapter_name:
-            # One global adapter: the base alone cannot be sampled while it is loaded.
-            raise OpenAIError(400, f"the engine serves adapter {adapter_name!r}; ask for that model")
-        for name in ("temperature", "top_p", "min_p"):
-            if not math.isfinite(getattr(body, name)):
-                raise OpenAIError(400, f"{name} must be a finite number, got {getattr(body, name)}")
-        if not 1 <= body.n <= max_n:
-            raise OpenAIError(400, f"n must be in [1, {max_n}], got {body.n}")
-        if body.seed is not None and not 0 <= body.seed < _SEED_LIMIT:
-            raise OpenAIError(400, f"seed must be in [0, 2**63), got {body.seed}")
-        if max_tokens is not None and max_tokens < 1:
-            raise OpenAIError(400, f"max_tokens must be an int >= 1, got {max_tokens}")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        try:
-            params = SamplingParams(
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=tuple(stop),
-                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            )  # fmt: skip
-            return Request(tuple(prompt_ids), params, n=body.n, seed=body.seed, images=images)
-        except ValueError as e:
-            raise OpenAIError(400, str(e)) from e
-
-    async def run(request: Request):
-        """Yields ("token", index, id, logprob) events, then ("done", completions)."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def put(item):
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-        rid = f"srv-{uuid.uuid4().hex[:12]}"
-        request = dataclasses.replace(request, request_id=rid)
-        worker.submit(
-            request,
-            on_token=lambda i, t, lp: put(("token", i, t, lp)),
-            on_done=lambda cs: put(("done", cs)),
-            on_error=lambda e: put(("error", e)),
+    limits = dataclasses.replace(limits, **limit_overrides)
+    slots = getattr(getattr(engine, "scheduler", None), "max_num_seqs", None)
+    if slots is not None and limits.max_n >= slots:
+        raise ValueError(
+            f"max_n={limits.max_n} must be below the engine's max_num_seqs={slots}, so that one "
+            "request cannot hold every sequence slot"
         )
-        while True:
-            item = await q.get()
-            if item[0] == "error":  # the engine refused it: say what the request asked for
-                p = request.params
-                status = 400 if isinstance(item[1], ValueError) else 500  # 500: the engine itself failed
-                raise OpenAIError(
-                    status, f"{item[1]} (request: prompt of {len(request.prompt_token_ids)} tokens, "
-                    f"max_tokens={p.max_tokens}, n={request.n})", "invalid_request_error" if status == 400
-                    else "server_error",
-                )  # fmt: skip
-            yield item
-            if item[0] == "done":
-                return
-
-    def text_of(c: Completion) -> str:
-        text = tokenizer.decode(c.token_ids)
-        if isinstance(c.stop_reason, str):
-            text = text[: text.find(c.stop_reason)] if c.stop_reason in text else text
-        return text
-
-    def usage(cs: list[Completion]) -> dict[str, int]:
-        p, g = len(cs[0].prompt_token_ids), sum(len(c.token_ids) for c in cs)
-        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def first_event(gen):
-        """Pull the first event before the response starts, so request errors become 4xx."""
-        try:
-            return await gen.__anext__()
-        except StopAsyncIteration:
-            return None
-
-    async def generate(
-        body: _Body, prompt_ids: list[int], max_tokens: int | None, chat: bool, images: tuple = ()
-    ):
-        request = to_request(body, prompt_ids, max_tokens, images)
-        gen = run(request)
-        first = await first_event(gen)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        if not body.stream:
-            cs = first[1] if first[0] == "done" else None
-            async for item in gen:
-                if item[0] == "done":
-                    cs = item[1]
-            choices = []
-            for c in cs:
-                choice: dict[str, Any] = {"index": c.sample_index, "finish_reason": c.finish_reason,
-                                          "token_ids": c.token_ids}  # fmt: skip
-                lps = c.logprobs.tolist()
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text_of(c)}
-                    if body.logprobs:
-                        content = [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
-                                   for t, lp in zip(c.token_ids, lps)]  # fmt: skip
-                        choice["logprobs"] = {"content": content}
-                else:
-                    choice["text"] = text_of(c)
-                    if body.logprobs is not None:
-                        toks = [tokenizer.decode([t]) for t in c.token_ids]
-                        choice["logprobs"] = {"tokens": toks, "token_logprobs": lps}
-                    else:
-                        choice["logprobs"] = None
-                choices.append(choice)
-            return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
-                    "usage": usage(cs)}  # fmt: skip
-
-        async def stream():
-            obj_chunk = "chat.completion.chunk" if chat else "text_completion"
-            emitted: dict[int, list[int]] = {}
-            sent_text: dict[int, str] = {}
-
-            def chunk(index: int, delta: str, finish: str | None):
-                if chat:
-                    d = (
-                        {"role": "assistant", "content": delta}
-                        if index not in sent_text
-                        else {"content": delta}
-                    )
-                    choice = {"index": index, "delta": d, "finish_reason": finish}
-                else:
-                    choice = {"index": index, "text": delta, "finish_reason": finish}
-                sent_text.setdefault(index, "")
-                return sse({"id": rid, "object": obj_chunk, "created": created, "model": body.model,
-                            "choices": [choice]})  # fmt: skip
-
-            item = first
-            while item is not None:
-                if item[0] == "token":
-                    _, i, tok, _ = item
-                    emitted.setdefault(i, []).append(tok)
-                    text = tokenizer.decode(emitted[i])
-                    final = text[: len(text) - _held_back(text, request.params.stop)]
-                    if len(final) > len(sent_text.get(i, "")):
-                        yield chunk(i, final[len(sent_text.get(i, "")) :], None)
-                        sent_text[i] = final
-                else:
-                    for c in item[1]:
-                        full = text_of(c)
-                        yield chunk(c.sample_index, full[len(sent_text.get(c.sample_index, "")) :],
-                                    c.finish_reason)  # fmt: skip
-                    yield "data: [DONE]\n\n"
-                    return
-                item = await first_event(gen)
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if not ids:
-            raise OpenAIError(400, "prompt is empty")
-        if body.logprobs is not None and body.logprobs < 0:
-            raise OpenAIError(400, f"logprobs must be >= 0 (or null), got {body.logprobs}")
-        return await generate(body, ids, body.max_tokens, chat=False)
-
     vision = getattr(getattr(engine, "model", None), "vision", None)
-    vision_config = vision.config if vision is not None else None
-
-    async def image_chat(messages: list[dict[str, Any]]) -> tuple[list[int], tuple]:
-        from model.vision import ImageInputError, chat_to_ids_and_images
-
-        if vision_config is None:
-            raise OpenAIError(400, "image content parts need a model with a vision tower; this model is "
-                                   "text-only: send string content")  # fmt: skip
-        if not hasattr(tokenizer, "apply_chat_template"):
-            raise OpenAIError(400, "this server's tokenizer cannot render image chats (no chat template)")
-        try:  # decoding and resizing images is CPU work: keep it off the event loop
-            chat = await asyncio.to_thread(chat_to_ids_and_images, messages, tokenizer, vision_config)
-        except ImageInputError as e:
-            raise OpenAIError(400, f"bad image input: {e}") from e
-        return chat.input_ids, tuple(chat.images)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        if not body.messages:
-            raise OpenAIError(400, "messages is empty")
-        messages, has_images = _chat_messages(body.messages)
-        images: tuple = ()
-        if has_images:
-            ids, images = await image_chat(messages)
-        else:
-            ids = tokenizer.chat_prompt(messages)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await generate(body, ids, max_tokens, chat=True, images=images)
-
+    state = ServeState(
+        worker=EngineWorker(engine, tokenizer.decode, limits.max_pending),
+        tokenizer=tokenizer,
+        limits=limits,
+        model_name=model_name,
+        adapter_name=adapter_name,
+        vision_config=vision.config if vision else None,
+        allowed_media=tuple(Path(d).resolve() for d in allowed_local_media),
+    )
+    app = FastAPI(title="rollout engine")
+    app.state.serve = state
+    app.state.worker = state.worker
+    app.add_exception_handler(RequestValidationError, _bad_body)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_middleware(BodyTimeout, seconds=body_timeout_s)
+    if api_key:
+        app.add_middleware(RequireAPIKey, key=api_key)
     return app
 
 
@@ -517,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from model.config import ModelConfig
     from model.modeling import MiniMaxM3ForCausalLM
+    from rollout.native.engine import NativeEngine
 
     ap = argparse.ArgumentParser(description="OpenAI-compatible server over the native engine")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -531,6 +402,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-pages", type=int, default=1024)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-n", type=int, default=16, help="samples per request (< --max-num-seqs)")
+    ap.add_argument(
+        "--max-tokens-limit", type=int, help="cap on max_tokens per request (default: the context)"
+    )
+    ap.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    ap.add_argument("--max-stop-strings", type=int, default=64)
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)",
+    )
+    ap.add_argument(
+        "--allowed-local-media",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory local image files may be read from (repeatable; default: none)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
@@ -538,13 +428,11 @@ def main(argv: list[str] | None = None) -> None:
         from model.checkpoint import load_model
 
         model = load_model(args.model, device=args.device)
-        tokenizer: Tokenizer = (
-            load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_for(args.model, args.adapter)
-        )
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_for(args.model, args.adapter)
         name = args.model.rstrip("/").split("/")[-1]
     else:
         model = MiniMaxM3ForCausalLM(ModelConfig.preset(args.preset)).to(args.device).init_weights()
-        tokenizer = load_tokenizer(args.tokenizer or "byte")
+        tok = load_tokenizer(args.tokenizer or "byte")
         name = args.preset
     adapter_name = None
     if args.adapter:
@@ -552,10 +440,21 @@ def main(argv: list[str] | None = None) -> None:
 
         load_adapter(model, args.adapter)
         adapter_name = args.adapter.rstrip("/").split("/")[-1]
-    engine = NativeEngine(model.eval(), args.max_pages, args.max_batch_tokens, detokenize=tokenizer.decode)
-    app = build_app(engine, tokenizer, name, adapter_name)
+    engine = NativeEngine(model.eval(), args.max_pages, args.max_batch_tokens, args.max_num_seqs)
+    app = build_app(
+        engine,
+        tok,
+        name,
+        adapter_name,
+        api_key=args.api_key,
+        allowed_local_media=tuple(args.allowed_local_media),
+        max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit,
+        max_pending=args.max_pending,
+        max_stop_strings=args.max_stop_strings,
+    )
     try:
-        uvicorn.run(app, host=args.host, port=args.port)
+        uvicorn.Server(uvicorn_config(app, args.host, args.port)).run()
     finally:
         app.state.worker.close()
 

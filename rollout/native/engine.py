@@ -555,6 +555,38 @@ class NativeEngine:
         s.pages_in_use = self.scheduler.allocator.num_in_use
         return EngineStats(**vars(s))
 
+    def abort(self, request_id: str, sample_index: int | None = None) -> int:
+        """Drop the unfinished samples of `request_id` (only `sample_index` if given): they leave
+        the scheduler, their pages are freed and no Completion is returned for them. Call between
+        steps (a server whose client left, or whose sample hit a stop string it matches itself).
+        Returns how many samples were dropped (0: not in flight)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return 0
+        dropped = 0
+        for s in group.sequences:
+            if s.finish_reason is not None or (sample_index is not None and s.sample_index != sample_index):
+                continue
+            s.finish_reason = "abort"
+            if s in self.scheduler.running:
+                self.scheduler.free(s)
+            elif s in self.scheduler.waiting:
+                self.scheduler.waiting.remove(s)
+                self.scheduler.allocator.release(s.block_table)
+                s.block_table = []
+            for leader in group.sequences:  # a sibling not forked yet is in its leader's list
+                if s in leader.pending_forks:
+                    leader.pending_forks.remove(s)
+            self.scheduler.waiting.extend(x for x in s.pending_forks if x.finish_reason is None)
+            s.pending_forks = []  # siblings of a dropped leader prefill on their own
+            dropped += 1
+        self._active[request_id] -= dropped
+        if not self._active[request_id]:
+            del self._active[request_id], self._groups[request_id]
+            if group.images is not None:
+                group.images.features_NE = None
+        return dropped
+
 
 def _has_expert_parallel(model: torch.nn.Module) -> bool:
     from model.parallel.expert_parallel import ExpertParallelMoE

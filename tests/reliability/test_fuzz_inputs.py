@@ -385,7 +385,7 @@ SERVER_CASES: list[tuple[str, str, object, str]] = [  # (method, path, body | ra
     ("POST", "/v1/completions", b'{"model":"tiny","prompt":"hi","top_p":-Infinity}', "top_p"),
     ("POST", "/v1/completions", _ok(top_p=0), "top_p"),
     ("POST", "/v1/completions", _ok(top_p=1.5), "top_p"),
-    ("POST", "/v1/completions", _ok(top_k=-1), "top_k"),
+    ("POST", "/v1/completions", _ok(top_k=-2), "top_k"),
     ("POST", "/v1/completions", _ok(min_p=2), "min_p"),
     ("POST", "/v1/completions", _ok(n=0), "n"),
     ("POST", "/v1/completions", _ok(n=-1), "n"),
@@ -650,7 +650,7 @@ class _FailingEngine:
 
 
 @pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")  # a hang must fail, not block
-def test_engine_failure_fails_the_request_and_later_requests_fast_instead_of_hanging():
+def test_engine_failure_without_abort_fails_the_request_then_503s_and_health_says_so():
     from fastapi.testclient import TestClient
 
     from common.tokenizer import ByteTokenizer
@@ -660,6 +660,9 @@ def test_engine_failure_fails_the_request_and_later_requests_fast_instead_of_han
     with TestClient(app, raise_server_exceptions=False) as c:
         first = c.post("/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
         second = c.post("/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=30)
+        health = c.get("/health")
     app.state.worker.close()
     assert first.status_code == 500 and "IndexError: index 7" in first.json()["error"]["message"]
-    assert second.status_code == 500 and "restart the server" in second.json()["error"]["message"]
+    # The engine cannot drop what it holds: later requests fail fast (no hang), /health says why.
+    assert second.status_code == 503 and "restart the server" in second.json()["error"]["message"]
+    assert health.status_code == 503 and "cannot drop" in health.json()["error"]["message"]

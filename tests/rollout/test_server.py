@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import openai
 import pytest
 import torch
-import uvicorn
 
 from common.tokenizer import ByteTokenizer
 from model.config import ModelConfig
@@ -17,6 +12,7 @@ from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
 from rollout.server import build_app
+from tests.rollout.live_server import live_server
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +24,8 @@ def served():
     engine = NativeEngine(model, max_pages=64, max_batch_tokens=128, kv_dtype="fp32", index_dtype="fp32",
                           detokenize=tok.decode)  # fmt: skip
     app = build_app(engine, tok, model_name="tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    yield client, model, tok
-    server.should_exit = True
-    thread.join(timeout=10)
-    app.state.worker.close()
+    with live_server(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), model, tok
     torch.set_num_threads(n_threads)
 
 
@@ -214,7 +198,7 @@ def _url(url) -> dict:
         (lambda: _url("data:image/png;base64,@@notbase64@@"), "base64"),
         (lambda: _url("data:image/png;base64,iVBORw0KGgo="), "image 0"),  # a PNG signature only
         (lambda: _url("https://example.com/a.png"), "not fetched"),
-        (lambda: _url("/no/such/file.png"), "does not exist"),
+        (lambda: _url("/no/such/file.png"), "local image files are not served"),
         (lambda: _png_part(700, 600, 3), "max_image_bytes"),
         (lambda: _png_part(1200, 1000, 3, solid=True), "max_source_pixels"),
         (lambda: {"type": "image_url", "image_url": {}}, "url"),
