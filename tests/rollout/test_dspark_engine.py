@@ -17,7 +17,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from model.config import ModelConfig
 from model.kv_cache import gather_pages
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.dspark import Draft, Drafter, DSparkConfig, SpecConfig
@@ -25,21 +24,12 @@ from rollout.dspark.cache import target_hidden
 from rollout.dspark.proposer import Proposer
 from rollout.engine import Completion, Request, SamplingParams
 from rollout.native import NativeEngine
+from tests.rollout.tiny_models import build, prompts
 
 BLOCK = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def build(seed: int = 0, **overrides) -> MiniMaxM3ForCausalLM:
-    cfg = dataclasses.replace(ModelConfig.preset("tiny"), **overrides)
-    return MiniMaxM3ForCausalLM(cfg).init_weights(std=0.05, seed=seed).eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +40,6 @@ def model() -> MiniMaxM3ForCausalLM:
 def make_drafter(model, seed: int = 1) -> Drafter:
     cfg = DSparkConfig.for_target(model.config, block_size=BLOCK, num_layers=1, markov_rank=16)
     return Drafter(cfg).init_weights(std=0.05, seed=seed).bind(model).eval()
-
-
-def prompts(lengths, seed=0) -> list[tuple[int, ...]]:
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(3, 512, (n,), generator=g).tolist()) for n in lengths]
 
 
 class OracleProposer(Proposer):

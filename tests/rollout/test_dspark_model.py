@@ -14,13 +14,7 @@ from model.modeling import MiniMaxM3ForCausalLM
 from rollout.dspark import Drafter, DSparkConfig, load_drafter, save_drafter
 from rollout.dspark.train import TrainConfig, build_features, distill_loss, sample_anchors, train_drafter
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

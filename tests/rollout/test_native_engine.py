@@ -9,35 +9,17 @@ import dataclasses
 import pytest
 import torch
 
-from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Completion, Request, SamplingParams
 from rollout.native import NativeEngine
+from tests.rollout.tiny_models import build, prompts
 
-
-def build(seed: int = 0, **overrides) -> MiniMaxM3ForCausalLM:
-    cfg = dataclasses.replace(ModelConfig.preset("tiny"), **overrides)
-    return MiniMaxM3ForCausalLM(cfg).init_weights(std=0.05, seed=seed).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine intra-op threads
-    contending with other processes make each op ~10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model() -> MiniMaxM3ForCausalLM:
     return build()
-
-
-def prompts(lengths, seed=0) -> list[tuple[int, ...]]:
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(3, 512, (n,), generator=g).tolist()) for n in lengths]
 
 
 def fp32_engine(model, **kw) -> NativeEngine:

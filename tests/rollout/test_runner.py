@@ -4,40 +4,22 @@ row (logits bit for bit, every page but the scratch page)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.config import ModelConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
 from rollout.native.runner import batch_buckets
+from tests.rollout.tiny_models import build, prompts
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def build(seed: int = 0, **overrides) -> MiniMaxM3ForCausalLM:
-    cfg = dataclasses.replace(ModelConfig.preset("tiny"), **overrides)
-    return MiniMaxM3ForCausalLM(cfg).init_weights(std=0.05, seed=seed).eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model() -> MiniMaxM3ForCausalLM:
     return build()
-
-
-def prompts(lengths, seed=0) -> list[tuple[int, ...]]:
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(3, 512, (n,), generator=g).tolist()) for n in lengths]
 
 
 def mixed_requests() -> list[Request]:
