@@ -2,7 +2,7 @@
 Hugging Face transformers' MiniMax-M3 port, in one run.
 
 Per config (preset, batch): decode ms per step = (long run - short run) / (extra tokens) of the same batch
-(prefill cancels, PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
+(prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
 decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s.
 Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
 CPU `static`, the same padded passes without capture). The peer (`MiniMaxM3VLForCausalLM.generate`,
@@ -33,7 +33,7 @@ from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
 
-HBM_BYTES_PER_S = 4.17e12  # measured H200 device copy (PERFORMANCE.md)
+HBM_BYTES_PER_S = 4.17e12  # measured H200 device copy (docs/PERFORMANCE.md)
 
 
 def build(preset: str, layers: int, device: torch.device, dtype: torch.dtype, kv_dtype: str):

@@ -1,28 +1,11 @@
-"""Prompt datasets for GRPO: DAPO-Math-17K, AIME-2024, synthetic arithmetic, the visual geo_vision
-(Geometry3K format, common/geo_data.py), and a resumable stream.
+"""Prompt datasets for GRPO: DAPO-Math-17K, AIME, MATH-500, synthetic arithmetic, geo_vision, and a
+resumable stream.
 
-What: every dataset becomes a list of `Prompt(uid, messages, ground_truth, data_source)` whose user
-message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). Text datasets give a
-message `content` string; geo_vision gives a list of OpenAI-style content parts (image_url + text).
-`PromptStream` serves batches in a per-epoch shuffled order that depends only on (seed, epoch), with
-a cursor that `state_dict()` / `load_state_dict()` carry across a checkpoint, so a resumed run sees
-exactly the prompts an uninterrupted one would.
-
-Why this shape: records are typed dataclasses (they cross Ray actor boundaries); the hub is tried
-first as the recipes say, but offline machines fall back, with a logged message, to a local parquet:
-verl-style (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}), or
-for geo_vision the hub's own Geometry3K columns (images, problem, answer).
-
-Malformed rows never crash a run: a row that is not a mapping, has no usable user message (missing,
-wrong type, empty, not encodable as UTF-8, longer than `MAX_PROMPT_CHARS`), or no string ground
-truth is skipped and counted by reason (`SkipReason`); `build_datasets` attaches the counts to the
-stream (`PromptStream.skipped_rows`) and `skipped_row_metrics` turns them into `data/skipped_rows`
-metrics. Only a dataset left with no usable row is an error, and it names the reasons.
-
-Invariants: uids are stable across runs (derived from the problem text) and unique within a dataset
-(prompts are deduplicated by problem text); a batch never holds the same uid twice (an epoch's
-remainder smaller than a batch is skipped); arithmetic train and eval problems are disjoint for
-every seed (the split is a fixed hash of the problem, the seed only picks which problems).
+What: every dataset becomes `Prompt(uid, messages, ground_truth, data_source)` asking for a final
+"Answer: ..." line; `PromptStream` serves batches in a per-epoch order that depends only on (seed,
+epoch), with a cursor a checkpoint carries. The hub is tried first, then local parquet files, with a
+logged message. Invariants: a resumed run sees exactly the prompts an uninterrupted one would; a bad
+file or row fails with its path and key named.
 """
 
 from __future__ import annotations
@@ -37,6 +20,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+# Design notes (moved from the module docstring)
+# What: every dataset becomes a list of `Prompt(uid, messages, ground_truth, data_source)` whose user
+# message asks for a final line "Answer: <answer>" (scored by rl/rewards.py). Text datasets give a
+# message `content` string; geo_vision gives a list of OpenAI-style content parts (image_url + text).
+# `PromptStream` serves batches in a per-epoch shuffled order that depends only on (seed, epoch), with
+# a cursor that `state_dict()` / `load_state_dict()` carry across a checkpoint, so a resumed run sees
+# exactly the prompts an uninterrupted one would.
+#
+# Why this shape: records are typed dataclasses (they cross Ray actor boundaries); the hub is tried
+# first as the recipes say, but offline machines fall back, with a logged message, to a local parquet:
+# verl-style (columns data_source, prompt = [{role, content}], reward_model = {ground_truth, ...}), or
+# for geo_vision the hub's own Geometry3K columns (images, problem, answer).
+#
+# Malformed rows never crash a run: a row that is not a mapping, has no usable user message (missing,
+# wrong type, empty, not encodable as UTF-8, longer than `MAX_PROMPT_CHARS`), or no string ground
+# truth is skipped and counted by reason (`SkipReason`); `build_datasets` attaches the counts to the
+# stream (`PromptStream.skipped_rows`) and `skipped_row_metrics` turns them into `data/skipped_rows`
+# metrics. Only a dataset left with no usable row is an error, and it names the reasons.
+#
+# Invariants: uids are stable across runs (derived from the problem text) and unique within a dataset
+# (prompts are deduplicated by problem text); a batch never holds the same uid twice (an epoch's
+# remainder smaller than a batch is skipped); arithmetic train and eval problems are disjoint for
+# every seed (the split is a fixed hash of the problem, the seed only picks which problems).
 
 log = logging.getLogger(__name__)
 

@@ -1,36 +1,11 @@
 """LoRA adapters on disk in the PEFT format, and the Hugging Face-layout twin of the model.
 
-What: `save_adapter(model, path, ...)` writes `adapter_config.json` (PEFT's LoraConfig fields:
-peft_type "LORA", r, lora_alpha, lora_dropout, target_modules, bias "none", task_type
-"CAUSAL_LM", base_model_name_or_path) + `adapter_model.safetensors` + `adapter_metadata.json`
-(this project's extras: base fingerprint and config, training step, metrics, routed-expert flag;
-kept out of adapter_config.json so PEFT and vLLM parse it unchanged). `read_adapter` /
-`load_adapter(model, path)` go back, checking rank, targets and base. `to_hf_twin(model)` builds
-the transformers port (`MiniMaxM3VLForCausalLM`, fp32, experts dequantized) with the same weights,
-so a saved adapter can be checked with `peft.PeftModel.from_pretrained`.
-
-Key naming (what PEFT saves, with no adapter name inside the key):
-  model tensor `model.layers.{i}.self_attn.q_proj.lora_A.weight`
-  -> `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`;
-  routed experts (stacked [E, R, I] / [E, O, R] in memory) are written per expert under the
-  checkpoint's expert names, `...block_sparse_moe.experts.{e}.w1.lora_A.weight` [R, I], the layout
-  vLLM reads for per-expert MoE LoRA.
-Module names are the checkpoint's (`self_attn.index_q_proj`, `mlp.gate_proj`), which is what vLLM
-loads by: vLLM stacks the per-projection factors itself into its fused layers (q/k/v into
-`qkv_proj`, gate/up into `gate_up_proj`, per-expert w1/w2/w3 into the MoE layer) through the
-model's packed-modules mapping, so no packed names are written. Attention q/k/v/o have the same
-names in the transformers port, so those adapters apply to the twin unchanged (the port fuses
-gate/up and moves the indexer under `self_attn.indexer`: see `to_hf_twin`). `target_modules` in
-adapter_config.json are dotted suffixes (`self_attn.q_proj`), so that PEFT does not also match the
-port's `self_attn.indexer.q_proj`.
-
-Invariants: save -> read gives bit-identical tensors in the adapter's own dtype; a loaded adapter
-whose rank, targets or tensor shapes do not fit the model, or whose recorded base fingerprint
-differs, is refused with an error naming the field. `save_adapter` writes `checksums.json`
-(model/integrity.py: sha256 of adapter_model.safetensors) after the weights; `read_adapter`
-verifies it before parsing the weights, so a truncated or bit-flipped file is refused by name
-(adapters without the manifest, e.g. from PEFT, load with one warning). The JSON files are not
-checksummed: they are human-editable and validated field by field instead.
+What: `save_adapter` writes adapter_config.json (PEFT's fields), adapter_model.safetensors,
+adapter_metadata.json (base fingerprint and config, step, metrics, tokenizer) and checksums.json;
+`read_adapter` / `load_adapter` go back, checking rank, targets and base; `peft_config_dict` is the
+one PEFT config every writer uses; `to_hf_twin` builds the transformers port with the same weights.
+Invariants: save -> read is bit-identical; names are PEFT's (`base_model.model.<module>.lora_A.weight`,
+routed experts per expert under the checkpoint's names); a misfit or a different base is refused.
 """
 
 from __future__ import annotations
@@ -56,6 +31,39 @@ from model.layers.lora import (
     load_lora_state_dict,
     lora_state_dict,
 )
+
+# Design notes (moved from the module docstring)
+# What: `save_adapter(model, path, ...)` writes `adapter_config.json` (PEFT's LoraConfig fields:
+# peft_type "LORA", r, lora_alpha, lora_dropout, target_modules, bias "none", task_type
+# "CAUSAL_LM", base_model_name_or_path) + `adapter_model.safetensors` + `adapter_metadata.json`
+# (this project's extras: base fingerprint and config, training step, metrics, routed-expert flag;
+# kept out of adapter_config.json so PEFT and vLLM parse it unchanged). `read_adapter` /
+# `load_adapter(model, path)` go back, checking rank, targets and base. `to_hf_twin(model)` builds
+# the transformers port (`MiniMaxM3VLForCausalLM`, fp32, experts dequantized) with the same weights,
+# so a saved adapter can be checked with `peft.PeftModel.from_pretrained`.
+#
+# Key naming (what PEFT saves, with no adapter name inside the key):
+#   model tensor `model.layers.{i}.self_attn.q_proj.lora_A.weight`
+#   -> `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`;
+#   routed experts (stacked [E, R, I] / [E, O, R] in memory) are written per expert under the
+#   checkpoint's expert names, `...block_sparse_moe.experts.{e}.w1.lora_A.weight` [R, I], the layout
+#   vLLM reads for per-expert MoE LoRA.
+# Module names are the checkpoint's (`self_attn.index_q_proj`, `mlp.gate_proj`), which is what vLLM
+# loads by: vLLM stacks the per-projection factors itself into its fused layers (q/k/v into
+# `qkv_proj`, gate/up into `gate_up_proj`, per-expert w1/w2/w3 into the MoE layer) through the
+# model's packed-modules mapping, so no packed names are written. Attention q/k/v/o have the same
+# names in the transformers port, so those adapters apply to the twin unchanged (the port fuses
+# gate/up and moves the indexer under `self_attn.indexer`: see `to_hf_twin`). `target_modules` in
+# adapter_config.json are dotted suffixes (`self_attn.q_proj`), so that PEFT does not also match the
+# port's `self_attn.indexer.q_proj`.
+#
+# Invariants: save -> read gives bit-identical tensors in the adapter's own dtype; a loaded adapter
+# whose rank, targets or tensor shapes do not fit the model, or whose recorded base fingerprint
+# differs, is refused with an error naming the field. `save_adapter` writes `checksums.json`
+# (model/integrity.py: sha256 of adapter_model.safetensors) after the weights; `read_adapter`
+# verifies it before parsing the weights, so a truncated or bit-flipped file is refused by name
+# (adapters without the manifest, e.g. from PEFT, load with one warning). The JSON files are not
+# checksummed: they are human-editable and validated field by field instead.
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

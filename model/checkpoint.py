@@ -1,39 +1,11 @@
-"""Checkpoints: sharded safetensors in and out, ModelOpt NVFP4/MXFP8/FP8 layouts, base fingerprint.
+"""Checkpoints: sharded safetensors in and out, ModelOpt NVFP4 / MXFP8 / FP8 layouts, base fingerprint.
 
-What: `load_model(path)` builds the model on the meta device (so a 428B config costs nothing),
-materialises it on the target device and streams the checkpoint in tensor by tensor; routed
-experts go straight into their bank in their stored format (NVFP4 stays packed). `save_model`
-writes config.json (+ hf_quant_config.json), shards and `model.safetensors.index.json`.
-`base_fingerprint` hashes the frozen base so the learner and every engine can prove they hold the
-same bits (ARCHITECTURE.md invariant: one quantization function).
-
-On-disk conventions (FACTS.md section 3): a quantized linear `X` is `X.weight` (NVFP4: uint8
-[N, K/2]; MXFP8/FP8: float8_e4m3fn [N, K]) plus `X.weight_scale` (NVFP4: e4m3 [N, K/16]; MXFP8:
-E8M0 uint8 [N, K/32], spelled `weight_scale_inv` in M3 checkpoints; FP8: fp32 per-tensor), and
-for NVFP4 `X.weight_scale_2` (fp32) and optionally `X.input_scale`. Routed experts are stored per
-expert: `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.*`.
-
-In memory only the routed experts keep their stored format. Other quantized groups (MXFP8
-attention, dense and shared MLPs of M3.1-Flash) are dequantized once at load into the model's
-float dtype (exact in fp32; bf16 rounds NVFP4 values times an fp32 scale_2), and `save_model`
-re-quantizes them; re-quantizing a dequantized tensor can move scale_2 by an ulp, so a re-saved
-non-expert NVFP4 module is equal to ~1e-7 relative, not bit for bit. Routed experts round-trip
-bit for bit.
-
-Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
-unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
-
-Vision (configs with a vision part): the tower and projector are saved and loaded under the released
-checkpoint's top-level names (`vision_tower.*`, `multi_modal_projector.*`, `patch_merge_mlp.*`) by
-model/vision/weights.py, stored as the vision config's `weight_dtype` says (bf16 by default; MXFP8
-if configured), never through the text model's quantization groups: an NVFP4 text config never
-quantizes a vision weight. A text-only config skips those tensors of a VL checkpoint.
-
-Integrity: `ShardWriter.close()` writes the index, then `checksums.json` (sha256 + size of every
-shard, model/integrity.py) last, atomically; readers (`iter_tensors`, hence `load_model` and
-`model.convert`) verify the shards they are about to read against it first, so a truncated or
-bit-flipped shard fails with the file named instead of loading wrong weights. Directories without
-a manifest (older or upstream checkpoints) load with one warning.
+What: `load_model` builds on the meta device and streams tensors in (routed experts stay in their
+stored format); `save_model` writes config.json, shards, the index and `checksums.json` last;
+`base_fingerprint` hashes the frozen base so learner and engines prove they hold the same bits
+(docs/ARCHITECTURE.md, "Invariants"; layouts in docs/FACTS.md, "ModelOpt checkpoint conventions").
+Invariants: routed experts round-trip bit for bit; shards are verified against the manifest before
+they are read; every error names the file, the tensor and the fix.
 """
 
 from __future__ import annotations
@@ -59,6 +31,42 @@ from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
 from model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from model.vision.weights import VisionWeightError, load_vision_checkpoint, vision_state_for_save
+
+# Design notes (moved from the module docstring)
+# What: `load_model(path)` builds the model on the meta device (so a 428B config costs nothing),
+# materialises it on the target device and streams the checkpoint in tensor by tensor; routed
+# experts go straight into their bank in their stored format (NVFP4 stays packed). `save_model`
+# writes config.json (+ hf_quant_config.json), shards and `model.safetensors.index.json`.
+# `base_fingerprint` hashes the frozen base so the learner and every engine can prove they hold the
+# same bits (docs/ARCHITECTURE.md, "Invariants").
+#
+# On-disk conventions (docs/FACTS.md, "ModelOpt checkpoint conventions"): a quantized linear `X` is `X.weight` (NVFP4: uint8
+# [N, K/2]; MXFP8/FP8: float8_e4m3fn [N, K]) plus `X.weight_scale` (NVFP4: e4m3 [N, K/16]; MXFP8:
+# E8M0 uint8 [N, K/32], spelled `weight_scale_inv` in M3 checkpoints; FP8: fp32 per-tensor), and
+# for NVFP4 `X.weight_scale_2` (fp32) and optionally `X.input_scale`. Routed experts are stored per
+# expert: `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.*`.
+#
+# In memory only the routed experts keep their stored format. Other quantized groups (MXFP8
+# attention, dense and shared MLPs of M3.1-Flash) are dequantized once at load into the model's
+# float dtype (exact in fp32; bf16 rounds NVFP4 values times an fp32 scale_2), and `save_model`
+# re-quantizes them; re-quantizing a dequantized tensor can move scale_2 by an ulp, so a re-saved
+# non-expert NVFP4 module is equal to ~1e-7 relative, not bit for bit. Routed experts round-trip
+# bit for bit.
+#
+# Errors name the file, the tensor and the fix: missing or unexpected tensors, shape mismatches,
+# unknown quantization algorithms (raised by ModelConfig) and truncated or corrupt shards.
+#
+# Vision (configs with a vision part): the tower and projector are saved and loaded under the released
+# checkpoint's top-level names (`vision_tower.*`, `multi_modal_projector.*`, `patch_merge_mlp.*`) by
+# model/vision/weights.py, stored as the vision config's `weight_dtype` says (bf16 by default; MXFP8
+# if configured), never through the text model's quantization groups: an NVFP4 text config never
+# quantizes a vision weight. A text-only config skips those tensors of a VL checkpoint.
+#
+# Integrity: `ShardWriter.close()` writes the index, then `checksums.json` (sha256 + size of every
+# shard, model/integrity.py) last, atomically; readers (`iter_tensors`, hence `load_model` and
+# `model.convert`) verify the shards they are about to read against it first, so a truncated or
+# bit-flipped shard fails with the file named instead of loading wrong weights. Directories without
+# a manifest (older or upstream checkpoints) load with one warning.
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -330,7 +338,7 @@ def _copy_into(target: torch.Tensor, tensor: torch.Tensor, name: str, path: Path
 
 
 def _restore_fp32_parts(model: MiniMaxM3ForCausalLM) -> None:
-    """The router runs in fp32 (FACTS.md section 2) whatever the model dtype."""
+    """The router runs in fp32 (docs/FACTS.md, "M3 architecture") whatever the model dtype."""
     for _, module in model.named_modules():
         if hasattr(module, "e_score_correction_bias"):
             module.gate.float()

@@ -1,28 +1,11 @@
 """Training checkpoints: atomic, checksummed, resumable.
 
-What: `save_checkpoint(run_dir, step, state)` writes `run_dir/checkpoints/step-<N>/` and keeps the
-last K; `load_checkpoint(path)` verifies and reads one back; `resume_checkpoint(run_dir, resume)`
-implements `resume=auto|PATH` (auto: newest checkpoint that verifies, falling back past corrupted
-ones with a warning); `find_latest` / `list_checkpoints` locate them; `capture_rng_state` /
-`restore_rng_state` cover python, numpy, torch CPU and (when present) CUDA generators.
-
-What goes in is the caller's choice (adapter, optimizer, scheduler, RNG, data cursor, step, W&B run
-id, metrics); each top-level entry of `state` is stored by its kind:
-- a non-empty `dict[str, Tensor]` (adapter tensors) -> `<name>.safetensors`;
-- JSON data (str-keyed dicts, lists, str, int, float, bool, None; no tuples, which JSON would turn
-  into lists) -> one `state.json` holding all such entries;
-- anything else (optimizer / scheduler state dicts, RNG states) -> `<name>.pt` with `torch.save`,
-  read back with `torch.load(weights_only=True)`: such values may hold only tensors, numbers, str,
-  None and lists / tuples / dicts of those (checked at save time, so a bad value fails then, not at
-  resume).
-
-Invariants:
-- Atomic: files go to `checkpoints/.tmp-step-<N>/`, each is fsynced, `manifest.json` (sha256 and
-  size of every file) is written last, then one rename publishes `step-<N>`. A crash leaves at most
-  a `.tmp-step-*` directory, which readers ignore and the next save deletes.
-- A checkpoint is valid iff its manifest exists and every listed file matches its checksum;
-  `load_checkpoint` raises `CheckpointError` naming the first file that does not.
-- `load_checkpoint(save_checkpoint(..., state))` == state (tensors bit-identical, tuples kept).
+What: `save_checkpoint` writes `checkpoints/step-<N>/` (adapter tensors as safetensors, JSON data in
+state.json, optimizer / RNG state with torch.save) and keeps the last K; `load_checkpoint` verifies
+and reads one; `resume_checkpoint` implements `resume=auto|PATH`; `capture_rng_state` /
+`restore_rng_state` cover python, numpy and torch generators.
+Invariants: files go to a temporary directory, the manifest last, then one rename publishes the step;
+a checkpoint is valid iff every file matches the manifest; load(save(state)) == state.
 """
 
 from __future__ import annotations
@@ -43,6 +26,31 @@ from safetensors.torch import load_file, save_file
 
 from model.checkpoint import CheckpointError  # one error for model and run checkpoints
 from model.integrity import describe_mismatch, file_sha256, fsync_path
+
+# Design notes (moved from the module docstring)
+# What: `save_checkpoint(run_dir, step, state)` writes `run_dir/checkpoints/step-<N>/` and keeps the
+# last K; `load_checkpoint(path)` verifies and reads one back; `resume_checkpoint(run_dir, resume)`
+# implements `resume=auto|PATH` (auto: newest checkpoint that verifies, falling back past corrupted
+# ones with a warning); `find_latest` / `list_checkpoints` locate them; `capture_rng_state` /
+# `restore_rng_state` cover python, numpy, torch CPU and (when present) CUDA generators.
+#
+# What goes in is the caller's choice (adapter, optimizer, scheduler, RNG, data cursor, step, W&B run
+# id, metrics); each top-level entry of `state` is stored by its kind:
+# - a non-empty `dict[str, Tensor]` (adapter tensors) -> `<name>.safetensors`;
+# - JSON data (str-keyed dicts, lists, str, int, float, bool, None; no tuples, which JSON would turn
+#   into lists) -> one `state.json` holding all such entries;
+# - anything else (optimizer / scheduler state dicts, RNG states) -> `<name>.pt` with `torch.save`,
+#   read back with `torch.load(weights_only=True)`: such values may hold only tensors, numbers, str,
+#   None and lists / tuples / dicts of those (checked at save time, so a bad value fails then, not at
+#   resume).
+#
+# Invariants:
+# - Atomic: files go to `checkpoints/.tmp-step-<N>/`, each is fsynced, `manifest.json` (sha256 and
+#   size of every file) is written last, then one rename publishes `step-<N>`. A crash leaves at most
+#   a `.tmp-step-*` directory, which readers ignore and the next save deletes.
+# - A checkpoint is valid iff its manifest exists and every listed file matches its checksum;
+#   `load_checkpoint` raises `CheckpointError` naming the first file that does not.
+# - `load_checkpoint(save_checkpoint(..., state))` == state (tensors bit-identical, tuples kept).
 
 log = logging.getLogger(__name__)
 

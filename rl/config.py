@@ -1,24 +1,11 @@
 """Training configuration: a recipe (YAML) plus dotted overrides -> one validated `TrainConfig`.
 
-What: one dataclass per component (model, LoRA, data, rollout, reward, algorithm, optimizer,
-trainer, tracking, Ray; rl/config_sections.py), nested in `TrainConfig`, which checks the constraints
-that span sections; `load_config(recipe, overrides)` composes
-`recipes/<recipe>.yaml` (a recipe may start with `defaults: [other_recipe, ...]`, merged first, in
-order) with `key.sub=value` overrides; `save_config` / `config_from_yaml` write and read back the
-resolved config that every run directory keeps as `config.yaml`.
-
-Why OmegaConf structured configs: the dataclasses are the schema, so YAML and command-line values
-are converted to the declared type on merge (`trainer.total_steps=5` is an int, `lora.target_modules=
-[q_proj,v_proj]` a list of str, `model.checkpoint=null` None) and Literal modes are checked against
-their choices, with no hand-written parser.
-
-Invariants:
-- An unknown recipe, section or key is a `ValueError` naming it and listing the valid choices (keys
-  of that section); a value of the wrong type is a `ValueError` naming the key and the expected type.
-  `model.overrides` is the one open dict; its keys must be `model.config.ModelConfig` fields.
-- Every section validates itself in `__post_init__`; `TrainConfig.__post_init__` checks the
-  cross-section constraints. A `TrainConfig` that exists is valid.
-- `config_from_yaml(path)` of `save_config(cfg, path)` equals `cfg`.
+What: `load_config(recipe, overrides)` composes `recipes/<recipe>.yaml` (with `defaults:` chains)
+and `key.sub=value` overrides over the sections of rl/config_sections.py, checks the constraints that
+span sections, and `save_config` writes the resolved config to every run directory. Why OmegaConf
+structured configs: the dataclasses are the schema, so values convert to declared types on merge.
+Invariants: an unknown key or a bad value is an error naming the key and the fix; renamed keys load
+with a warning naming the new one.
 """
 
 from __future__ import annotations
@@ -50,6 +37,27 @@ from rl.config_sections import (
     TrainerSection,
     require,
 )
+
+# Design notes (moved from the module docstring)
+# What: one dataclass per component (model, LoRA, data, rollout, reward, algorithm, optimizer,
+# trainer, tracking, Ray; rl/config_sections.py), nested in `TrainConfig`, which checks the constraints
+# that span sections; `load_config(recipe, overrides)` composes
+# `recipes/<recipe>.yaml` (a recipe may start with `defaults: [other_recipe, ...]`, merged first, in
+# order) with `key.sub=value` overrides; `save_config` / `config_from_yaml` write and read back the
+# resolved config that every run directory keeps as `config.yaml`.
+#
+# Why OmegaConf structured configs: the dataclasses are the schema, so YAML and command-line values
+# are converted to the declared type on merge (`trainer.total_steps=5` is an int, `lora.target_modules=
+# [q_proj,v_proj]` a list of str, `model.checkpoint=null` None) and Literal modes are checked against
+# their choices, with no hand-written parser.
+#
+# Invariants:
+# - An unknown recipe, section or key is a `ValueError` naming it and listing the valid choices (keys
+#   of that section); a value of the wrong type is a `ValueError` naming the key and the expected type.
+#   `model.overrides` is the one open dict; its keys must be `model.config.ModelConfig` fields.
+# - Every section validates itself in `__post_init__`; `TrainConfig.__post_init__` checks the
+#   cross-section constraints. A `TrainConfig` that exists is valid.
+# - `config_from_yaml(path)` of `save_config(cfg, path)` equals `cfg`.
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 

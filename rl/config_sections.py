@@ -1,17 +1,10 @@
 """The sections of a training config: one validated dataclass per component (model, data, rollout,
-reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take. A component
-whose own config is torch-free is its section as it is (`lora`: model.layers.lora_config.LoRAConfig,
-`rollout.dspark.cotrain`: rollout.dspark.cotrain_config.CoTrainConfig).
+reward, algorithm, optimizer, trainer, tracking, Ray) and the Literal choices they take.
 
-What: the schema `rl.config.TrainConfig` nests (recipes and overrides are composed and merged there,
-in rl/config.py, which also checks the constraints that span sections). Every field is documented in
-its section's docstring; the README's recipe table names the ones most runs change.
-
-Why a module of its own: the schema is most of the config code and grows with each capability (a new
-key, its validation and its error message live together here), while composing recipes does not.
-
-Invariants: every section validates itself in `__post_init__` with a `ValueError` that names the
-key (`section.key`) and the fix; nothing here imports torch (loading a config must stay cheap).
+A component whose config is torch-free is its section as it is (`lora`: LoRAConfig,
+`rollout.dspark.cotrain`: CoTrainConfig); every field is documented in its section's docstring.
+Invariants: each section validates itself in `__post_init__` with messages naming `section.key` and
+a valid value; rl/config.py composes recipes and checks what spans sections.
 """
 
 from __future__ import annotations
@@ -24,6 +17,17 @@ from typing import Any, Literal
 
 from model.config import PRESETS, ModelConfig
 from rollout.dspark.cotrain_config import CoTrainConfig
+
+# Design notes (moved from the module docstring)
+# What: the schema `rl.config.TrainConfig` nests (recipes and overrides are composed and merged there,
+# in rl/config.py, which also checks the constraints that span sections). Every field is documented in
+# its section's docstring; the README's recipe table names the ones most runs change.
+#
+# Why a module of its own: the schema is most of the config code and grows with each capability (a new
+# key, its validation and its error message live together here), while composing recipes does not.
+#
+# Invariants: every section validates itself in `__post_init__` with a `ValueError` that names the
+# key (`section.key`) and the fix; nothing here imports torch (loading a config must stay cheap).
 
 ModelDtype = Literal["fp32", "bf16"]
 DataKind = Literal["arithmetic", "dapo_math", "geo_vision"]

@@ -1,27 +1,10 @@
 """Export a trained adapter for serving: `python -m rl.export SRC --out DIR [--format peft|merged]`.
 
-What: SRC is an adapter directory (adapter_config.json + adapter_model.safetensors) or a run
-directory holding one or more (the one with the highest recorded training step is taken).
-- `--format peft` (default): validates the adapter (and, with `--base`, that it fits that base's
-  shapes, built on the meta device so nothing is loaded), copies its files to DIR and writes a
-  README.md card (base, rank, alpha, targets, step, metrics, size, how to serve it).
-- `--format merged`: loads the base (`--base`, else the adapter's base_model_name_or_path),
-  checks its fingerprint against the one the adapter recorded, folds the adapter in
-  (`model.layers.lora.merge_lora`), and writes a checkpoint with `model.checkpoint.save_model` in
-  the base config's storage formats: touched modules stored in bf16 are rounded once from the fp32
-  merge; touched modules stored quantized (NVFP4 / MXFP8 / FP8, and NVFP4 routed experts) are
-  re-quantized from the fp32 merge with the project's one quantization function. It then loads
-  the written checkpoint again and reports, in export_report.json and on stdout, per touched
-  group the added error (||stored - exact|| / ||exact|| and relative to the adapter's own update
-  ||dW||), whether untouched tensors kept their values, and logits on a probe batch: how far the
-  adapter moves the base and how far the export lands from base + adapter.
-
-Why: the product's output is an adapter people can serve (vLLM `--lora-modules`, PEFT), or a
-single merged checkpoint for engines without LoRA support; a merged NVFP4 checkpoint loses part
-of the update to rounding, and the report says how much.
-
-Limits: `merged` holds the base in fp32 (quantized routed experts stay packed) plus fp32 copies of
-the touched linears, then loads the output once more to verify (`--no-verify` skips that).
+What: SRC is an adapter directory or a run directory (the adapter of the highest step is taken).
+`peft` validates the adapter (optionally against `--base`), copies it and writes a README card;
+`merged` loads the base, checks the adapter's recorded fingerprint, folds the adapter in and saves a
+checkpoint in the base's storage formats. Invariants: a mismatched base is refused; outputs appear
+whole or not at all.
 """
 
 from __future__ import annotations
@@ -51,6 +34,30 @@ from model.integrity import write_manifest
 from model.layers.lora import LoRAConfig, LoRALinear, apply_lora, load_lora_state_dict, merge_lora
 from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
+
+# Design notes (moved from the module docstring)
+# What: SRC is an adapter directory (adapter_config.json + adapter_model.safetensors) or a run
+# directory holding one or more (the one with the highest recorded training step is taken).
+# - `--format peft` (default): validates the adapter (and, with `--base`, that it fits that base's
+#   shapes, built on the meta device so nothing is loaded), copies its files to DIR and writes a
+#   README.md card (base, rank, alpha, targets, step, metrics, size, how to serve it).
+# - `--format merged`: loads the base (`--base`, else the adapter's base_model_name_or_path),
+#   checks its fingerprint against the one the adapter recorded, folds the adapter in
+#   (`model.layers.lora.merge_lora`), and writes a checkpoint with `model.checkpoint.save_model` in
+#   the base config's storage formats: touched modules stored in bf16 are rounded once from the fp32
+#   merge; touched modules stored quantized (NVFP4 / MXFP8 / FP8, and NVFP4 routed experts) are
+#   re-quantized from the fp32 merge with the project's one quantization function. It then loads
+#   the written checkpoint again and reports, in export_report.json and on stdout, per touched
+#   group the added error (||stored - exact|| / ||exact|| and relative to the adapter's own update
+#   ||dW||), whether untouched tensors kept their values, and logits on a probe batch: how far the
+#   adapter moves the base and how far the export lands from base + adapter.
+#
+# Why: the product's output is an adapter people can serve (vLLM `--lora-modules`, PEFT), or a
+# single merged checkpoint for engines without LoRA support; a merged NVFP4 checkpoint loses part
+# of the update to rounding, and the report says how much.
+#
+# Limits: `merged` holds the base in fp32 (quantized routed experts stay packed) plus fp32 copies of
+# the touched linears, then loads the output once more to verify (`--no-verify` skips that).
 
 REPORT_FILE = "export_report.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

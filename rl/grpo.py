@@ -1,30 +1,11 @@
-"""GRPO / DAPO numerics: group advantages, the clipped policy loss, KL, entropy, reward shaping.
+"""GRPO / DAPO numerics: every algorithmic decision of a step as pure functions.
 
-What: every algorithmic decision of a step, as pure functions the driver (advantages, dynamic
-sampling's keep and refill, overlong shaping) and the learner (mini-batches, micro-batch weights,
-policy loss, KL, entropy) only call. They take tensors (or flat per-sample lists) and scalars and
-return tensors plus, for the loss, a dict of scalar *tensors* (the caller decides when to sync).
-
-Why these definitions: they are the ones verl's `core_algos` uses, so a run here is comparable with
-a verl run; tests/rl/test_grpo.py checks equality against verl on random ragged batches.
-
-Papers:
-- GRPO (group-normalised outcome advantage): Shao et al. 2024, https://arxiv.org/abs/2402.03300
-- DAPO (clip-higher, dynamic sampling, token-level loss, overlong shaping): Yu et al. 2025,
-  https://arxiv.org/abs/2503.14476
-- PPO clipped objective: https://arxiv.org/abs/1707.06347; dual-clip: https://arxiv.org/abs/1912.09729
-- Truncated importance sampling against the rollout engine: Yao et al. 2025, "Your efficient RL
-  framework secretly brings you off-policy RL training" (https://fengyao.notion.site/off-policy-rl)
-- k3 KL estimator: J. Schulman, http://joschu.net/blog/kl-approx.html
-
-Shape legend: B sequences (= prompts x samples when flattened), G samples per prompt, T response
-tokens (right-padded), V vocabulary, N flattened samples. `mask_BT` is 1 on response tokens, 0 on
-padding; bool or float.
-
-Invariants: no host syncs (`.item()`, data-dependent shapes) except where marked `# SYNC`; padding
-never contributes to a loss or a metric; every function is differentiable where a gradient is
-meaningful (the policy loss w.r.t. `logp_new_BT`) and detached where it is not (advantages, TIS
-weights, metrics).
+What: the driver's (group advantages, dynamic sampling's keep and refill, overlong shaping) and the
+learner's (mini-batches, micro-batch weights, clipped policy loss, KL, entropy) decisions; tensors
+in, tensors plus a dict of scalar tensors out. Why: the definitions are verl core_algos' (GRPO
+arXiv:2402.03300, DAPO arXiv:2503.14476), tested equal to verl on ragged batches.
+Invariants: no host syncs except `# SYNC`; padding never counts; advantages and weights detached.
+Legend: B sequences, G samples per prompt, T response tokens, V vocab, N flattened samples.
 """
 
 from __future__ import annotations
@@ -33,6 +14,33 @@ from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
+
+# Design notes (moved from the module docstring)
+# What: every algorithmic decision of a step, as pure functions the driver (advantages, dynamic
+# sampling's keep and refill, overlong shaping) and the learner (mini-batches, micro-batch weights,
+# policy loss, KL, entropy) only call. They take tensors (or flat per-sample lists) and scalars and
+# return tensors plus, for the loss, a dict of scalar *tensors* (the caller decides when to sync).
+#
+# Why these definitions: they are the ones verl's `core_algos` uses, so a run here is comparable with
+# a verl run; tests/rl/test_grpo.py checks equality against verl on random ragged batches.
+#
+# Papers:
+# - GRPO (group-normalised outcome advantage): Shao et al. 2024, https://arxiv.org/abs/2402.03300
+# - DAPO (clip-higher, dynamic sampling, token-level loss, overlong shaping): Yu et al. 2025,
+#   https://arxiv.org/abs/2503.14476
+# - PPO clipped objective: https://arxiv.org/abs/1707.06347; dual-clip: https://arxiv.org/abs/1912.09729
+# - Truncated importance sampling against the rollout engine: Yao et al. 2025, "Your efficient RL
+#   framework secretly brings you off-policy RL training" (https://fengyao.notion.site/off-policy-rl)
+# - k3 KL estimator: J. Schulman, http://joschu.net/blog/kl-approx.html
+#
+# Shape legend: B sequences (= prompts x samples when flattened), G samples per prompt, T response
+# tokens (right-padded), V vocabulary, N flattened samples. `mask_BT` is 1 on response tokens, 0 on
+# padding; bool or float.
+#
+# Invariants: no host syncs (`.item()`, data-dependent shapes) except where marked `# SYNC`; padding
+# never contributes to a loss or a metric; every function is differentiable where a gradient is
+# meaningful (the policy loss w.r.t. `logp_new_BT`) and detached where it is not (advantages, TIS
+# weights, metrics).
 
 LossAgg = Literal[
     "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"

@@ -1,32 +1,12 @@
-"""The vLLM rollout backend: the engine protocol (rollout/engine.py) on `vllm.LLM`, with in-memory
-LoRA sync and versioned adapter names.
+"""The vLLM rollout backend: the engine protocol (rollout/engine.py) on `vllm.LLM`, with in-memory LoRA
+sync and versioned adapter names.
 
-What: `VLLMEngine(settings)` starts a `vllm.LLM` with LoRA enabled (rank up to 32 by default) and
-speaks the protocol: `generate(requests)` (one vLLM sub-request per sample, seeded s + i as the
-protocol says, logprob of every sampled token), `set_adapter(tensors, version)`, `stats()`.
-`engine_args(settings)` is the pure function that turns the project's settings into vLLM engine
-arguments (NVFP4 ModelOpt checkpoints, NVFP4 KV cache, DSpark speculative config, LoRA targets a
-MoE model supports) and refuses combinations vLLM would reject later, with the fix in the message.
-
-Adapter sync (why it looks like this): vLLM 0.32 loads LoRA adapters only from a path named in a
-`LoRARequest`; writing every step's adapter to disk and re-reading it is the churn we avoid.
-`LoRATensorExtension` is a vLLM *worker extension* (`worker_extension_cls`, vLLM's supported way to
-add worker methods, reached with `collective_rpc`): it builds the `LoRAModel` from the tensors with
-vLLM's own `PEFTHelper.from_dict` + `LoRAModel.from_lora_tensors` inside every worker and registers
-it under the new adapter id, so the next request naming that id finds it loaded and never touches
-the path. The mechanism depends on worker internals (`model_runner.lora_manager`), so it is used
-only after a probe RPC confirms them on a vLLM version it was tested on (`TESTED_VLLM`); otherwise
-(`sync="ramdir"` or a failed probe) the adapter is written as PEFT files to a RAM-backed directory
-(/dev/shm) and loaded through the ordinary path.
-
-Invariants:
-- Adapter version v is served under the name `policy-v{v}` and id v + 1. vLLM's prefix cache keys
-  blocks by adapter name (and path), so KV computed under an older adapter is never reused.
-- Exactly one adapter version is resident after `set_adapter`: the previous one is removed from
-  every worker (and its RAM directory deleted), so a long run does not creep in memory.
-- Log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature, which is the protocol's
-  convention when no top-k / top-p / min-p truncation is requested (vLLM renormalises over the
-  truncated support otherwise; such requests log a warning once).
+What: `VLLMEngine(settings)` starts vLLM with LoRA and serves `generate` / `set_adapter` / `stats`;
+`engine_args(settings)` maps the project's settings to vLLM's and refuses combinations vLLM would
+reject. Adapters arrive as tensors through a worker extension (`LoRATensorExtension`), or through a
+RAM-backed directory on untested vLLM versions.
+Invariants: version v is served as `policy-v{v}` (the prefix cache never mixes adapters); one adapter
+version is resident; log-probs are vLLM's processed (temperature-scaled) log-probs.
 """
 
 from __future__ import annotations
@@ -45,6 +25,34 @@ import torch
 
 from model.adapter import peft_config_dict
 from rollout.engine import Completion, EngineStats, Request
+
+# Design notes (moved from the module docstring)
+# What: `VLLMEngine(settings)` starts a `vllm.LLM` with LoRA enabled (rank up to 32 by default) and
+# speaks the protocol: `generate(requests)` (one vLLM sub-request per sample, seeded s + i as the
+# protocol says, logprob of every sampled token), `set_adapter(tensors, version)`, `stats()`.
+# `engine_args(settings)` is the pure function that turns the project's settings into vLLM engine
+# arguments (NVFP4 ModelOpt checkpoints, NVFP4 KV cache, DSpark speculative config, LoRA targets a
+# MoE model supports) and refuses combinations vLLM would reject later, with the fix in the message.
+#
+# Adapter sync (why it looks like this): vLLM 0.32 loads LoRA adapters only from a path named in a
+# `LoRARequest`; writing every step's adapter to disk and re-reading it is the churn we avoid.
+# `LoRATensorExtension` is a vLLM *worker extension* (`worker_extension_cls`, vLLM's supported way to
+# add worker methods, reached with `collective_rpc`): it builds the `LoRAModel` from the tensors with
+# vLLM's own `PEFTHelper.from_dict` + `LoRAModel.from_lora_tensors` inside every worker and registers
+# it under the new adapter id, so the next request naming that id finds it loaded and never touches
+# the path. The mechanism depends on worker internals (`model_runner.lora_manager`), so it is used
+# only after a probe RPC confirms them on a vLLM version it was tested on (`TESTED_VLLM`); otherwise
+# (`sync="ramdir"` or a failed probe) the adapter is written as PEFT files to a RAM-backed directory
+# (/dev/shm) and loaded through the ordinary path.
+#
+# Invariants:
+# - Adapter version v is served under the name `policy-v{v}` and id v + 1. vLLM's prefix cache keys
+#   blocks by adapter name (and path), so KV computed under an older adapter is never reused.
+# - Exactly one adapter version is resident after `set_adapter`: the previous one is removed from
+#   every worker (and its RAM directory deleted), so a long run does not creep in memory.
+# - Log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature, which is the protocol's
+#   convention when no top-k / top-p / min-p truncation is requested (vLLM renormalises over the
+#   truncated support otherwise; such requests log a warning once).
 
 log = logging.getLogger(__name__)
 

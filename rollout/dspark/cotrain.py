@@ -1,36 +1,12 @@
 """Online co-training of the DSpark drafter during RL (`rollout.dspark.cotrain.enabled=true`).
 
-Why: GRPO changes the policy (its LoRA adapter) every step; a drafter distilled from the step-0
-policy predicts an ever older distribution and its acceptance decays. Verification stays lossless
-either way (FACTS.md section 4), so this is purely a speed matter.
-
-What: `CoTrainer(target, drafter, CoTrainConfig(...), seed)` (rollout/dspark/cotrain_config.py)
-keeps one optimizer and a replay buffer.
-`update(sequences)`, once per policy step with that step's rollouts (prompt + completion ids,
-sampled by the policy the target holds right now):
-1. one target pass over the rollouts gives the drafter's fused hidden states and the policy's
-   next-token distributions (rollout/dspark/train.py: `build_features`); exact for the policy
-   that sampled them, so they are computed once, here, and kept;
-2. the drafter's teacher-forced accepted length on them is logged before any training on them
-   (held out: the decay signal, `spec/cotrain_accept_len_before`);
-3. they join a buffer of the last `replay_steps` policy steps' features (older ones dropped);
-4. every `every`-th call, `steps` distillation steps on batches drawn from the whole buffer, with
-   the offline loss (optionally `focus`-weighted towards the positions whose drafts verification
-   would reject), bump the version; the driver publishes the drafter's weights to every engine,
-   like adapters (`drafter_state` / `load_drafter_state`).
-
-Cost (why this shape): the features pass is the only per-step work (about as much as one
-learner forward over the rollouts, without backward); the drafter's own steps are few and run on
-rollout worker 0 while the learner updates. A bounded buffer lets rounds be rarer and smaller
-without starving the drafter of data, and a low learning rate keeps one round's noise from
-undoing what the drafter already knows.
-
-Invariants: the target is only read (no gradient reaches the policy or its adapter); the drafter's
-frozen embedding / lm_head stay the target's (bound, not copied); weights move as a plain state
-dict of the drafter's own parameters; the buffer holds at most `replay_steps` steps of at most
-`max_seqs_per_step` sequences each.
-
-Legend: B sequences, S length, X captured width (L target layers x D), D hidden.
+Why: GRPO moves the policy every step, so a drafter distilled from the step-0 policy loses
+acceptance; verification stays lossless either way (docs/FACTS.md, "DSpark speculative decoding"),
+so this is a speed matter. What: `CoTrainer.update(sequences)` computes the rollouts' features once,
+logs held-out acceptance, keeps a replay buffer of the last `replay_steps` steps and every `every`
+calls distils for `steps` steps; the driver publishes the drafter like an adapter.
+Invariants: the target is only read; the drafter's embedding / lm_head stay the target's; the buffer
+is bounded.
 """
 
 from __future__ import annotations
@@ -43,6 +19,39 @@ import torch
 from rollout.dspark.cotrain_config import CoTrainConfig
 from rollout.dspark.model import Drafter
 from rollout.dspark.train import Features, build_features, distill_loss, estimate_accept_len, sample_anchors
+
+# Design notes (moved from the module docstring)
+# Why: GRPO changes the policy (its LoRA adapter) every step; a drafter distilled from the step-0
+# policy predicts an ever older distribution and its acceptance decays. Verification stays lossless
+# either way (docs/FACTS.md, "DSpark speculative decoding"), so this is purely a speed matter.
+#
+# What: `CoTrainer(target, drafter, CoTrainConfig(...), seed)` (rollout/dspark/cotrain_config.py)
+# keeps one optimizer and a replay buffer.
+# `update(sequences)`, once per policy step with that step's rollouts (prompt + completion ids,
+# sampled by the policy the target holds right now):
+# 1. one target pass over the rollouts gives the drafter's fused hidden states and the policy's
+#    next-token distributions (rollout/dspark/train.py: `build_features`); exact for the policy
+#    that sampled them, so they are computed once, here, and kept;
+# 2. the drafter's teacher-forced accepted length on them is logged before any training on them
+#    (held out: the decay signal, `spec/cotrain_accept_len_before`);
+# 3. they join a buffer of the last `replay_steps` policy steps' features (older ones dropped);
+# 4. every `every`-th call, `steps` distillation steps on batches drawn from the whole buffer, with
+#    the offline loss (optionally `focus`-weighted towards the positions whose drafts verification
+#    would reject), bump the version; the driver publishes the drafter's weights to every engine,
+#    like adapters (`drafter_state` / `load_drafter_state`).
+#
+# Cost (why this shape): the features pass is the only per-step work (about as much as one
+# learner forward over the rollouts, without backward); the drafter's own steps are few and run on
+# rollout worker 0 while the learner updates. A bounded buffer lets rounds be rarer and smaller
+# without starving the drafter of data, and a low learning rate keeps one round's noise from
+# undoing what the drafter already knows.
+#
+# Invariants: the target is only read (no gradient reaches the policy or its adapter); the drafter's
+# frozen embedding / lm_head stay the target's (bound, not copied); weights move as a plain state
+# dict of the drafter's own parameters; the buffer holds at most `replay_steps` steps of at most
+# `max_seqs_per_step` sequences each.
+#
+# Legend: B sequences, S length, X captured width (L target layers x D), D hidden.
 
 
 def concat_features(parts: list[Features]) -> Features:

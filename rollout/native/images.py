@@ -1,23 +1,9 @@
 """Image features for the native engine: a bounded cache of tower outputs and per-chunk slicing.
 
-What: `ImageFeatureCache(vision, max_rows)` turns a request's `ProcessedImage`s into text-width
-feature rows. An image already seen (same sha256 and patch grid) is served from an LRU cache bounded
-by feature rows (one row per image token, so the bound is memory: rows x hidden x dtype bytes); all
-misses of a step go through the tower in one `VisionModel.encode_images` call. `RequestImages` is
-one request's side: its images, the prompt positions of their placeholder tokens (ascending) and,
-while the request is in flight, its concatenated features; `span(start, stop)` gives the feature
-rows that prompt positions [start, stop) take, so a prefill chunk may end inside an image.
-
-Why here and not in the model: features are computed once per request (and once per distinct
-image across requests), not once per prefill chunk, preemption or group sibling; the model's
-`forward_cached` only receives the rows of its own tokens.
-
-Invariants: features of an image do not depend on the batch (the tower attends within one image),
-so a cached row equals a fresh one; when the features depend on the adapter (a projector LoRA,
-model/vision/lora.py) the engine calls `clear()` on every adapter change. Cached tensors are
-copies, never views into a larger batch output, so the row bound is the memory actually held.
-
-Legend: N feature rows (image tokens), D text hidden.
+What: `ImageFeatureCache(vision, max_rows)` runs the tower once per distinct image (an LRU keyed by
+content, bounded in feature rows) and `RequestImages.span(start, stop)` gives the rows a prefill chunk
+takes, so a chunk may end inside an image. Invariants: features are computed once per request and
+image; a request's rows are dropped once all its samples have cached their placeholders.
 """
 
 from __future__ import annotations
@@ -30,6 +16,26 @@ import torch
 
 from model.vision.preprocess import ProcessedImage
 from model.vision.tower import VisionModel
+
+# Design notes (moved from the module docstring)
+# What: `ImageFeatureCache(vision, max_rows)` turns a request's `ProcessedImage`s into text-width
+# feature rows. An image already seen (same sha256 and patch grid) is served from an LRU cache bounded
+# by feature rows (one row per image token, so the bound is memory: rows x hidden x dtype bytes); all
+# misses of a step go through the tower in one `VisionModel.encode_images` call. `RequestImages` is
+# one request's side: its images, the prompt positions of their placeholder tokens (ascending) and,
+# while the request is in flight, its concatenated features; `span(start, stop)` gives the feature
+# rows that prompt positions [start, stop) take, so a prefill chunk may end inside an image.
+#
+# Why here and not in the model: features are computed once per request (and once per distinct
+# image across requests), not once per prefill chunk, preemption or group sibling; the model's
+# `forward_cached` only receives the rows of its own tokens.
+#
+# Invariants: features of an image do not depend on the batch (the tower attends within one image),
+# so a cached row equals a fresh one; when the features depend on the adapter (a projector LoRA,
+# model/vision/lora.py) the engine calls `clear()` on every adapter change. Cached tensors are
+# copies, never views into a larger batch output, so the row bound is the memory actually held.
+#
+# Legend: N feature rows (image tokens), D text hidden.
 
 
 @dataclass

@@ -1,25 +1,32 @@
 """Token sampling for the native engine: pure tensor functions, no engine state.
 
-What: temperature scaling, top-k / top-p / min-p truncation, greedy and seeded random sampling
-of one token per row, and the fp32 log-probability of the sampled token.
-
-Why this shape:
-- Per-row randomness comes from the row's own `torch.Generator` (one per sample, seeded from
-  the request seed): a row's draw depends only on its generator's state and its logits, never
-  on which other rows share the batch, so results are reproducible given the seed, and a
-  preempted sample that is recomputed draws the same tokens.
-- Random sampling is the exponential race: argmax_v p_v / q_v with q_v ~ Exp(1) i.i.d. picks v
-  with probability p_v (the Gumbel-max trick in another form); it needs no cumulative sums and
-  draws exactly V numbers per row per step.
-- Log-probabilities follow rollout/engine.py: log_softmax(logits / T) of the sampled token,
-  before truncation (T = 1 for greedy rows), in fp32.
-
-Legend: B rows (sequences sampled this step), V vocabulary.
+What: temperature scaling, top-k / top-p / min-p truncation, greedy and seeded random sampling of one
+token per row (the exponential race, argmax p / Exp(1), drawn from each row's own generator), and the
+fp32 log-probability of the sampled token (before truncation, rollout/engine.py).
+Invariants: a row's draw depends only on its generator and its logits, never on the other rows, so a
+seed reproduces it and a preempted sample redraws the same tokens.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Design notes (moved from the module docstring)
+# What: temperature scaling, top-k / top-p / min-p truncation, greedy and seeded random sampling
+# of one token per row, and the fp32 log-probability of the sampled token.
+#
+# Why this shape:
+# - Per-row randomness comes from the row's own `torch.Generator` (one per sample, seeded from
+#   the request seed): a row's draw depends only on its generator's state and its logits, never
+#   on which other rows share the batch, so results are reproducible given the seed, and a
+#   preempted sample that is recomputed draws the same tokens.
+# - Random sampling is the exponential race: argmax_v p_v / q_v with q_v ~ Exp(1) i.i.d. picks v
+#   with probability p_v (the Gumbel-max trick in another form); it needs no cumulative sums and
+#   draws exactly V numbers per row per step.
+# - Log-probabilities follow rollout/engine.py: log_softmax(logits / T) of the sampled token,
+#   before truncation (T = 1 for greedy rows), in fp32.
+#
+# Legend: B rows (sequences sampled this step), V vocabulary.
 
 
 def temperature_scaled(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
