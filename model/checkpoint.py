@@ -40,7 +40,8 @@ from model.vision.weights import VisionWeightError, load_vision_checkpoint, visi
 # `base_fingerprint` hashes the frozen base so the learner and every engine can prove they hold the
 # same bits (docs/ARCHITECTURE.md, "Invariants").
 #
-# On-disk conventions (docs/FACTS.md, "ModelOpt checkpoint conventions"): a quantized linear `X` is `X.weight` (NVFP4: uint8
+# On-disk conventions (docs/FACTS.md, "ModelOpt checkpoint conventions"): a quantized linear `X`
+# is `X.weight` (NVFP4: uint8
 # [N, K/2]; MXFP8/FP8: float8_e4m3fn [N, K]) plus `X.weight_scale` (NVFP4: e4m3 [N, K/16]; MXFP8:
 # E8M0 uint8 [N, K/32], spelled `weight_scale_inv` in M3 checkpoints; FP8: fp32 per-tensor), and
 # for NVFP4 `X.weight_scale_2` (fp32) and optionally `X.input_scale`. Routed experts are stored per
