@@ -224,4 +224,8 @@ def test_kv_after_rollback_equals_run_that_never_drafted_the_rejected_tokens(kv)
                 torch.testing.assert_close(got, alt, **tol)
                 torch.testing.assert_close(got, want, **tol)
         torch.testing.assert_close(ctx, other[n][1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ctx, expect_ctx[:n], atol=1e-4, rtol=1e-4)
+        # The fresh recomputation rounds K/V to bf16 from hidden states summed in another order than
+        # the engine's step-by-step passes: a value on a bf16 rounding boundary can land one ulp
+        # (0.4% relative) away and move the context by a few 1e-4 (3e-4 seen on some CPUs).
+        ctx_tol = 1e-3 if kv == "bf16" else 1e-4
+        torch.testing.assert_close(ctx, expect_ctx[:n], atol=ctx_tol, rtol=ctx_tol)
