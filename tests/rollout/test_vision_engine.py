@@ -113,7 +113,8 @@ def test_equal_ids_with_other_images_never_share_pages_and_match_their_own_runs(
     for req, got, im in zip(reqs, together, (a, c)):
         alone = engine(model).generate([req])[0]
         assert got.token_ids == alone.token_ids
-        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-6, rtol=0)
+        # fp32 log-probs near -6 differ by ~2 ulps (1.4e-6) between batch compositions on some CPUs
+        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)
         assert_matches_learner(model, [got], [im])
 
 
