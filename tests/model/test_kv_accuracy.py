@@ -65,8 +65,10 @@ def test_cached_path_equals_kv_sim_forward_with_per_layer_overrides(model_and_se
         "fp8",
         "nvfp4_4over6",
     ]
+    # 2e-4: a few positions whose fp8 / NVFP4 rounding flips between the two summation orders
+    # (1.4e-4 seen on some CPUs, in 5 of 29,184 log-probs).
     for a, b in zip(cached_logprobs(variant, seqs), simulated_logprobs(variant, seqs), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
 
 
 def test_next_token_metrics_kl_matches_definition_and_argmax_flip():

@@ -48,6 +48,7 @@ def test_two_data_parallel_learners_equal_one_learner_on_the_union_batch(ray_loc
     pair = [ray.remote(num_cpus=0)(Learner).remote(cfg, base, r, 2) for r in range(2)]
     addr = ray.get(pair[0].rendezvous_address.remote())
     ray.get([lrn.init_group.remote(*addr) for lrn in pair])
+    init = ray.get(single.adapter_update.remote()).tensors
     for _ in range(2):  # two GRPO steps, each 2 epochs x 2 mini-batches (4 optimizer steps)
         m1 = ray.get(single.train_step.remote(samples))
         m2a, m2b = ray.get([lrn.train_step.remote(samples) for lrn in pair])
@@ -55,12 +56,20 @@ def test_two_data_parallel_learners_equal_one_learner_on_the_union_batch(ray_loc
     a, b = (ray.get(lrn.adapter_update.remote()).tensors for lrn in pair)
     for k in one:
         assert torch.equal(a[k], b[k]), f"learners disagree on {k}"  # the same step on every learner
-        torch.testing.assert_close(a[k], one[k], atol=2e-6, rtol=1e-4)  # = the union batch
+    # = the union batch. Not to the bit: the all-reduced gradient sums in another order, and Adam
+    # turns a near-zero gradient's rounding into a sizeable step (on some CPUs 2e-4 per element
+    # after 8 steps). So the DP learners' whole update must match the single learner's to 2% (a
+    # missing or doubled all-reduce is off by 50-100%).
+    diff = sum(float((a[k] - one[k]).pow(2).sum()) for k in one) ** 0.5
+    step = sum(float((one[k] - init[k]).pow(2).sum()) for k in one) ** 0.5
+    assert diff <= 0.02 * step, f"DP update differs from the union batch's by {diff / step:.1%}"
     moved = max(float(t.abs().max()) for k, t in one.items() if "lora_B" in k)
     assert moved > 1e-3  # the steps were real
     assert m2a == m2b
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-        assert m2a[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    # The last step's metrics are taken at the slightly different parameters above: the gradient
+    # norm (a sum over near-zero entries) moves most.
+    for key, rel in (("actor/pg_loss", 1e-4), ("actor/entropy", 1e-4), ("actor/grad_norm", 1e-2)):
+        assert m2a[key] == pytest.approx(m1[key], rel=rel, abs=1e-6), key
     for actor in [single, *pair]:
         ray.kill(actor)
 
