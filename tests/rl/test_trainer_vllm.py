@@ -19,6 +19,7 @@ from rl.config import load_config  # noqa: E402
 from rl.tracking import read_wandb_offline  # noqa: E402
 from rl.trainer import Trainer  # noqa: E402
 from rollout.bases.hf_toy import ensure_hf_toy_base  # noqa: E402
+from tests.conftest import start_local_ray  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "runs" / "_cache" / "qwen3-tiny-arith"
@@ -27,7 +28,7 @@ BASE = REPO / "runs" / "_cache" / "qwen3-tiny-arith"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     ensure_hf_toy_base(BASE)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    start_local_ray(ray)
     out = tmp_path_factory.mktemp("vllm-run")
     cfg = load_config("quickstart_vllm", [
         f"output_dir={out}", f"model.checkpoint={BASE}", "trainer.total_steps=12", "trainer.eval_every=12",
