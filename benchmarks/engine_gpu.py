@@ -28,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.config import ModelConfig
-from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
@@ -124,42 +123,19 @@ def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float
 
 # ------------------------------------------------------------------ the transformers peer
 def to_hf(model: MiniMaxM3ForCausalLM, dtype: torch.dtype):
-    """transformers' MiniMaxM3VLForCausalLM (text) with this model's weights, routed experts dequantized
-    (bf16 experts: the port has no NVFP4 MoE). None if the port is not importable."""
+    """transformers' MiniMaxM3VLForCausalLM (text) with this model's weights in `dtype`, routed experts
+    dequantized (the port has no NVFP4 MoE), through model/adapter.py's one name mapping (the twin
+    PEFT adapters are checked against). None if the port is not importable."""
     try:
         from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
-        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     except ImportError:
         return None
-    from model.hf_config import config_to_hf_dict
+    from model.adapter import hf_twin_config, hf_twin_state_dict
 
-    d = config_to_hf_dict(model.config)
-    text = d.get("text_config", d)
-    text = {k: v for k, v in text.items() if k not in ("model_type", "quantization_config")}
-    hf = MiniMaxM3VLForCausalLM._from_config(MiniMaxM3VLTextConfig(**text), dtype=dtype)
-    sd = {}
-    for name, t in model.state_dict().items():
-        if ".experts." in name or name.endswith("lora_A") or ".vision." in name:
-            continue
-        hf_name = (name.replace("self_attn.index_q_proj", "self_attn.indexer.q_proj")
-                   .replace("self_attn.index_k_proj", "self_attn.indexer.k_proj")
-                   .replace("self_attn.index_q_norm", "self_attn.indexer.q_norm")
-                   .replace("self_attn.index_k_norm", "self_attn.indexer.k_norm")
-                   .replace("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias")
-                   .replace("block_sparse_moe.", "mlp."))  # fmt: skip
-        sd[hf_name] = t
-    for name in list(sd):  # fused gate/up, as the port stores them
-        if name.endswith("gate_proj.weight"):
-            up = name.replace("gate_proj", "up_proj")
-            sd[name.replace("gate_proj", "gate_up_proj")] = torch.cat([sd.pop(name), sd.pop(up)])
-    for i, layer in enumerate(model.model.layers):
-        bank = getattr(getattr(layer, "block_sparse_moe", None), "experts", None)
-        if isinstance(bank, ExpertBank):
-            w1, w3, w2 = bank.dequantized_all(dtype)
-            sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
-            sd[f"model.layers.{i}.mlp.experts.down_proj"] = w2
+    hf = MiniMaxM3VLForCausalLM._from_config(hf_twin_config(model.config), dtype=dtype)
+    sd = hf_twin_state_dict(model)  # fp32 (the peer at M3.1 widths holds it beside the bf16 port)
     hf.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=False)
-    missing = set(hf.state_dict()) - set(sd)
+    missing = [k for k in set(hf.state_dict()) - set(sd) if not k.endswith("inv_freq")]
     if missing:
         raise RuntimeError(f"to_hf: port tensors left unset: {sorted(missing)[:5]}")
     return hf.to(model.lm_head.weight.device).eval()
