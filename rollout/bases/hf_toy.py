@@ -24,7 +24,7 @@ import torch
 from common.data import arithmetic_dataset
 from common.scoring import score_math_dapo
 from common.tokenizer import ByteTokenizer
-from rollout.bases.warmup import answer_example, sft_batch
+from rollout.bases.warmup import answer_example, sft_batch, sft_update
 
 INFO_FILE = "warmup.json"
 
@@ -100,11 +100,7 @@ def build_hf_toy_base(
             [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen)]
         )
         logp = torch.log_softmax(model(input_ids=inp).logits.float(), -1).gather(-1, tgt[..., None])[..., 0]
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_update(model, opt, logp, mask)
         if step % eval_every == 0:
             quantized = copy.deepcopy(model)
             quantize_hf_model(quantized)

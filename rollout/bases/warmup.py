@@ -55,6 +55,17 @@ def sft_batch(examples: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torc
     return inp, tgt, mask
 
 
+def sft_update(model: torch.nn.Module, opt: torch.optim.Optimizer, logp: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One supervised step on the masked answer tokens (mean NLL, grad-norm clip 1.0); the loss."""
+    loss = -(logp * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 @torch.no_grad()
 def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_tokens: int = 12) -> float:
     """Fraction of prompts whose greedy completion scores +1 under DAPO's rule (native engine)."""
@@ -130,11 +141,7 @@ def build_quickstart_base(
         idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
         inp, tgt, mask = (t.to(device) for t in sft_batch([examples[i] for i in idx]))
         logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_update(model, opt, logp, mask)
         if step % eval_every == 0:
             # Judge the model the RL run will get: experts in NVFP4, KV in NVFP4. A model this
             # small can lose all its accuracy to the two roundings together, so the float model's
