@@ -250,3 +250,12 @@ class Topology:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement)
+
+
+def start_ray(cfg, log_to_driver: bool) -> None:
+    """Join or start the Ray instance the `ray` section names (`address`, `num_cpus`, `num_gpus`), once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
+                 include_dashboard=False, log_to_driver=log_to_driver, configure_logging=False)  # fmt: skip

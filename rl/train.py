@@ -114,13 +114,11 @@ def _start_ray(cfg) -> None:
     `root_error`), not as its traceback streamed to this terminal once per actor."""
     import logging
 
-    import ray
-
     # Ray announces at every start that token authentication is on (its default); not ours to say.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    if not ray.is_initialized():
-        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)  # fmt: skip
+    from rl.topology import start_ray
+
+    start_ray(cfg, log_to_driver=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from rl.replicas import fetch
 from rl.resume import find_resume, restore_run_state, resume_hint, save_run_state
 from rl.rewards import reward_error_metrics
 from rl.run_adapter import export_run_adapter
-from rl.topology import Topology, TrainingAborted, prepare_base
+from rl.topology import Topology, TrainingAborted, prepare_base, start_ray
 from rl.workers import Sample
 
 # Mean |learner - engine| log-prob per sampled token above which a run is told why (see
@@ -41,7 +41,6 @@ class Trainer:
     draws the same numbers as an uninterrupted one."""
 
     def __init__(self, cfg: TrainConfig):
-        import ray
 
         from common.data import build_datasets
         from common.tokenizer import load_tokenizer
@@ -67,9 +66,7 @@ class Trainer:
 
         t0 = time.perf_counter()
         base = self.base_dir = prepare_base(cfg, self.run_dir)
-        if not ray.is_initialized():
-            ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)  # fmt: skip
+        start_ray(cfg, log_to_driver=True)
         engine_base = base
         if cfg.model.family == "hf":
             # vLLM serves the dequantized twin: the learner's NVFP4 values as an ordinary checkpoint.
