@@ -5,7 +5,7 @@ Per config (preset, batch): decode ms per step = (long run - short run) / (extra
 (prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
 decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s.
 Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
-CPU `static`, the same padded passes without capture). The peer (`MiniMaxM3VLForCausalLM.generate`,
+CPU `static`, the same padded passes without capture), `compiled` (graphs of torch.compile'd passes). The peer (`MiniMaxM3VLForCausalLM.generate`,
 greedy, bf16 experts, dynamic and static cache) runs on the same weights when importable.
 
     python benchmarks/engine_gpu.py --json $OUT/engine_gpu.jsonl            # H200
@@ -61,10 +61,10 @@ def sync(device: torch.device) -> None:
 def make_engine(model, batch: int, ctx: int, mode: str, kv_dtype: str) -> NativeEngine:
     page = model.config.index_block_size
     max_pages = batch * -(-ctx // page) + 1
-    is_graphs = mode == "graphs" and model.lm_head.weight.is_cuda
+    is_graphs = mode in ("graphs", "compiled") and model.lm_head.weight.is_cuda
     return NativeEngine(model, max_pages=max_pages, max_batch_tokens=max(4096, batch), max_num_seqs=batch,
                         kv_dtype=kv_dtype, index_dtype=kv_dtype, cuda_graphs=is_graphs,
-                        static_decode=mode != "eager")  # fmt: skip
+                        static_decode=mode != "eager", compile_decode=mode == "compiled")  # fmt: skip
 
 
 def requests(prompts_BS: torch.Tensor, max_tokens: int) -> list[Request]:
@@ -87,7 +87,7 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
     """(kernel time / wall, kernels launched per step) over `steps` decode-only steps (prefill stepped
     through first); (None, None) off CUDA."""
     if device.type != "cuda":
-        return None, None
+        return None, None, None
     from torch.profiler import ProfilerActivity, profile
 
     for r in requests(prompts_BS, steps + 2):
@@ -105,8 +105,11 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
         eng.step()
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events)
-    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return kernel_us / wall_us, kernels / steps
+    cuda = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sum(e.count for e in cuda)
+    top = sorted(cuda, key=lambda e: -e.count)[:25]
+    top = [(e.key[:70], round(e.count / steps, 1), round(e.self_device_time_total / steps, 1)) for e in top]
+    return kernel_us / wall_us, kernels / steps, top
 
 
 def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int]:
@@ -119,6 +122,15 @@ def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float
         kv += keys * cache.bytes_per_token(i) + ctx * cache.index_bytes_per_token(i)
     kv *= batch
     return (weights + kv) / HBM_BYTES_PER_S, weights, kv
+
+
+def _dynamo_counts(mode: str) -> dict:
+    """Compiled mode: Dynamo's graph breaks (reason -> count, cumulative in the process)."""
+    if mode != "compiled":
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": {k[:120]: v for k, v in counters["graph_break"].items()}}
 
 
 # ------------------------------------------------------------------ the transformers peer
@@ -164,13 +176,15 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     """One (config, mode) row and the greedy tokens of its warm-up run (the peer's correctness check)."""
     ctx = args.prompt_len + args.long + 1
     eng = make_engine(model, B, ctx, mode, kv)
-    warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, capture
+    t0 = time.perf_counter()
+    warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, compilation, capture
+    warmup_s = time.perf_counter() - t0
     reqs_short, reqs_long = requests(prompts_BS, args.short), requests(prompts_BS, args.long)
     t_short = timed(lambda: eng.generate(reqs_short), device, args.repeats)
     t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
     step_s = (t_long - t_short) / (args.long - args.short)
     floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
-    busy, kernels = gpu_busy(eng, prompts_BS, args.profile_steps, device)
+    busy, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
     row = {
         "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
         "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
@@ -179,6 +193,8 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
         "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
         "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
+        "warmup_s": warmup_s, "compile_error": eng.runner.compile_error, **_dynamo_counts(mode),
+        **({"top_kernels": top} if args.breakdown else {}),
     }  # fmt: skip
     return row, [c.token_ids for c in warm]
 
@@ -198,6 +214,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--modes", nargs="*", default=None,
+                    help="engine modes (default eager graphs compiled on CUDA, eager static on CPU)")
+    ap.add_argument("--breakdown", action="store_true", help="rows list the 25 most launched kernels")
     ap.add_argument(
         "--peer-m3", action="store_true", help="also run the peer at M3.1-Flash widths (bf16 experts)"
     )
@@ -226,7 +245,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts_BS = torch.randint(3, model.config.vocab_size, (B, args.prompt_len), generator=gen)
         eager_tokens: list[list[int]] = []
-        for mode in ("eager", "graphs" if device.type == "cuda" else "static"):
+        modes = args.modes or (["eager", "graphs", "compiled"] if device.type == "cuda" else ["eager", "static"])
+        for mode in modes:
             try:
                 row, tokens = measure(model, preset, B, mode, prompts_BS, args, device, dtype, kv)
             except Exception as exc:  # one config's failure (e.g. out of memory) must not end the run

@@ -209,6 +209,10 @@ class RolloutSection:
     # Native engine on CUDA: replay all-decode steps from CUDA graphs captured per batch bucket
     # (rollout/native/runner.py); null = on for CUDA engines, off on CPU.
     cuda_graphs: bool | None = None
+    # Native engine: torch.compile the padded decode pass (before capture on CUDA): 1.4-2.1x faster
+    # decode steps on the H200 at `small` (benchmarks/RESULTS.md, 2026-12-02) for a one-time compile
+    # of 0.5-3 min; on the CPU it also turns on the padded (static) decode path.
+    compile_decode: bool = False
     # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
     # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
     # drafter is rollout.dspark.drafter.
@@ -245,6 +249,13 @@ class RolloutSection:
                 self.dspark.drafter is None,
                 f"{mode} does not run DSpark speculation yet (its draft and verify passes are "
                 "single-rank): set rollout.dspark.drafter=null or rollout.engine_parallel=none",
+            )
+        if self.compile_decode:
+            require(
+                self.backend == "native" and self.engine_parallel == "none" and self.dspark.drafter is None,
+                "rollout.compile_decode=true compiles the native engine's padded decode pass, which runs "
+                "only without DSpark and DEP / DCP: set rollout.compile_decode=false, or "
+                "rollout.backend=native rollout.engine_parallel=none rollout.dspark.drafter=null",
             )
         at_least(self, "rollout", 0, "temperature", "num_gpus")
         require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")

@@ -173,6 +173,7 @@ class RolloutWorker:
             drafter=self.drafter,
             spec=spec,
             cuda_graphs=cfg.rollout.cuda_graphs,
+            compile_decode=cfg.rollout.compile_decode,
         )
         self._spec_seen = (0, 0)  # (verification passes, accepted drafts) already reported
 

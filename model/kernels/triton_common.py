@@ -35,6 +35,13 @@ def use_hw_casts() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
+def opaque_to_compile(fn):
+    """Marks a kernel's launch function opaque to torch.compile: a compiled caller (the engine's
+    compiled decode pass, rollout/native/runner.py) calls it as it is, so Inductor fuses only the torch
+    code around our kernels and never re-emits their Triton source in its own modules."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def triton_available(t: torch.Tensor) -> bool:
     """Whether a Triton kernel can run on tensors like `t`: CUDA tensors, or any tensor when the
     interpreter is on (CPU tests)."""

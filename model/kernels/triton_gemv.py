@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.triton_common import e2m1_nibble_f32_x2p126, f32_to_bf16, safe_do_bench, use_hw_casts
+from model.kernels.triton_common import e2m1_nibble_f32_x2p126, f32_to_bf16, safe_do_bench, use_hw_casts, opaque_to_compile
 from model.kernels.triton_moe import _launch, _parts, split_planes
 
 # Legend: T rows, N output features, K input features, BN / BK tile sizes, MR rows per program.
@@ -237,6 +237,7 @@ def _launch_gemv(x, w, out, n_rows, *, bn=16, bk=512, split_k=2, prefetch=False)
                                                           HW=use_hw_casts(), PREFETCH=prefetch)  # fmt: skip
 
 
+@opaque_to_compile
 def nvfp4_linear_triton(x_TK: torch.Tensor, packed_NK2: torch.Tensor, scales_NK16: torch.Tensor,
                         scale_2: torch.Tensor, *, variant: GemvVariant = "v3") -> torch.Tensor:  # fmt: skip
     """W4A16 y [T, N] = x @ dequant(W).T (bf16 x, fp32 accumulation, bf16 out): one launch, no

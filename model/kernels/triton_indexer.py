@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
+    opaque_to_compile,
     dot_bf16,
     dot_f16,
     f32_to_bf16,
@@ -298,6 +299,7 @@ def _launch_v4(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
                                                                    num_stages=st)  # fmt: skip
 
 
+@opaque_to_compile
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
@@ -337,6 +339,7 @@ def index_block_scores_triton(
     return scores_TNP
 
 
+@opaque_to_compile
 def index_select_blocks_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,

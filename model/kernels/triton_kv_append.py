@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from model import nvfp4
-from model.kernels.triton_common import f32_to_e4m3, use_hw_casts
+from model.kernels.triton_common import f32_to_e4m3, use_hw_casts, opaque_to_compile
 
 # Legend: T tokens, N heads, C head dim (multiple of 16), X = C/2 + C/16 stored bytes per row.
 # Addressing: slot -> (page = slot // page_size, offset = slot % page_size); head n's row lives at
@@ -96,6 +96,7 @@ def nvfp4_append_ref(
     pages[page_T[:, None], heads_N[None, :], off_T[:, None]] = stored_TNX
 
 
+@opaque_to_compile
 def nvfp4_append(
     x_TNC: torch.Tensor, slot_mapping_T: torch.Tensor, scale: torch.Tensor, pages: torch.Tensor,
     head_mul: int = 1, head_add: int = 0,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
+    opaque_to_compile,
     E2M1_FP8_SHIFT,
     dot_bf16,
     e2m1_to_f32_x64,
@@ -322,6 +323,7 @@ v6 is the default: on the H200 at T = 64, 128 experts top-4 (M3.1 widths) its ro
 and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5)."""
 
 
+@opaque_to_compile
 def moe_nvfp4_triton(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,
@@ -356,6 +358,7 @@ def moe_nvfp4_triton(
     return out_TD
 
 
+@opaque_to_compile
 def nvfp4_mlp_triton(x_TD: torch.Tensor, w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float,
                      swiglu_limit: float) -> torch.Tensor:  # fmt: skip
     """One NVFP4 swigluoai MLP (the shared expert) on every token: two linear-mode launches (fused

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
+    opaque_to_compile,
     e2m1_nibble_f32_x2p126,
     f32_to_bf16,
     safe_do_bench,
@@ -400,6 +401,7 @@ def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@opaque_to_compile
 def moe_nvfp4_gemv(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,

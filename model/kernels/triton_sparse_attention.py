@@ -21,6 +21,7 @@ import triton.language as tl
 
 from model import nvfp4
 from model.kernels.triton_common import (
+    opaque_to_compile,
     dot_bf16,
     dot_f16,
     f32_to_bf16,
@@ -271,6 +272,7 @@ def uses_fp8_dot(kv_dtype: str, head_dim: int, page: int) -> bool:
     return kv_dtype != "bf16" and head_dim >= 32 and page >= 32
 
 
+@opaque_to_compile
 def sparse_attention_triton(
     q_THC: torch.Tensor, kv_cache: PagedKV, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor,
     positions_T: torch.Tensor, selected_TNK: torch.Tensor | None, *, softmax_scale: float,
@@ -381,6 +383,7 @@ def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.con
     tl.store(out_ptrs, fp8_rc.to(tl.uint8, bitcast=True), mask=is_row[:, None])
 
 
+@opaque_to_compile
 def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
     """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
     (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).

@@ -98,7 +98,8 @@ class NativeEngine:
     its `table_page_size`. `cuda_graphs` (None = on for a CUDA model) captures the all-decode passes
     per batch bucket; `static_decode` runs those padded passes without capture (the CPU test of the
     captured path). Both keep one extra cache page as the padded rows' scratch page and are off with
-    a drafter, a prebuilt cache or expert-parallel layers.
+    a drafter, a prebuilt cache or expert-parallel layers. `compile_decode` runs those passes through
+    torch.compile (fewer, fused kernels; compiled once per engine, minutes on a GPU; implies static).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class NativeEngine:
         cache: KVCache | None = None,
         cuda_graphs: bool | None = None,
         static_decode: bool | None = None,
+        compile_decode: bool = False,
     ):
         self.model = model
         self.config = model.config
@@ -127,10 +129,10 @@ class NativeEngine:
             raise ValueError("cuda_graphs=True needs an engine without a drafter, a prebuilt (DCP) cache or "
                              "expert-parallel layers (their passes are not capture-safe yet)")  # fmt: skip
         use_graphs = (can_static and self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        use_static = use_graphs or bool(static_decode)
+        use_static = use_graphs or bool(static_decode) or compile_decode
         if use_static and not can_static:
-            raise ValueError("static_decode=True needs an engine without a drafter, a prebuilt cache or "
-                             "expert-parallel layers")  # fmt: skip
+            raise ValueError("static_decode=True and compile_decode=True need an engine without a drafter, "
+                             "a prebuilt cache or expert-parallel layers")  # fmt: skip
         if cache is None:
             n_pages = max_pages + 1 if use_static else max_pages
             cache = model.new_kv_cache(n_pages, dtype=kv_dtype, index_dtype=index_dtype)
@@ -176,7 +178,8 @@ class NativeEngine:
             raise ValueError("spec settings need a drafter: pass drafter=... (rollout.dspark.load_drafter)")
         scratch = max_pages if use_static else None  # the page past the scheduler's
         self.runner = ModelRunner(model, self.cache, max_num_seqs, static_decode=use_static,
-                                  cuda_graphs=use_graphs, scratch_page=scratch)  # fmt: skip
+                                  cuda_graphs=use_graphs, scratch_page=scratch,
+                                  compile_decode=compile_decode)  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, on_token: TokenCallback | None = None) -> str:

@@ -122,7 +122,8 @@ class ModelRunner:
     cache page no sequence owns (padded rows write it); required for the static path."""
 
     def __init__(self, model, cache: KVCache, max_num_seqs: int, *, static_decode: bool = False,
-                 cuda_graphs: bool = False, scratch_page: int | None = None):  # fmt: skip
+                 cuda_graphs: bool = False, scratch_page: int | None = None,
+                 compile_decode: bool = False):  # fmt: skip
         self.model, self.cache = model, cache
         self.device = model.lm_head.weight.device
         if cuda_graphs and self.device.type != "cuda":
@@ -142,6 +143,20 @@ class ModelRunner:
         self.num_captures = 0  # times the bucket graphs were (re)captured
         self.graph_error: str | None = None  # why capture failed (graphs then off), None if it did not
         self.static_steps = 0  # steps that ran the static path (eager or replayed)
+        # torch.compile of the static pass (before capture): Inductor fuses the per-layer small ops
+        # (norms, RoPE, router math, residual adds) into few kernels; batch is marked dynamic so one
+        # compilation serves every bucket above 1. A failure turns compilation off (logged once).
+        self.compile_decode = compile_decode and self.static_decode
+        self.compile_error: str | None = None
+        self._decode_fn = self.model.forward_cached
+        if self.compile_decode:
+            # Dynamo specializes the code after each graph break per layer (each reads its own cache
+            # tensors) and per engine (cache shapes): ~5 entries x layers x 2 (batch 1 and dynamic)
+            # per engine. Below that limit Dynamo would silently stop compiling.
+            dc = torch._dynamo.config
+            dc.recompile_limit = max(dc.recompile_limit, 1024)
+            dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 8192)
+            self._decode_fn = torch.compile(self.model.forward_cached, fullgraph=False)
 
     # ------------------------------------------------------------------ staging
     def stage(self, key: str, ints: dict[str, list[int]], floats: dict[str, list[float]] | None = None,
@@ -262,15 +277,26 @@ class ModelRunner:
     def static_forward(self, bs: int) -> torch.Tensor:
         """The padded model pass of bucket `bs` on the static buffers -> fp32 logits [bs, V]."""
         v, W = self._static_views, self._width
+        args = [v["ids"][:bs], v["pos"][:bs], v["seq"][:bs], self.cache, v["table"][: bs * W].view(bs, W),
+                v["lens"][:bs]]  # fmt: skip
+        if self.compile_decode and bs > 1:
+            for i in (0, 1, 2, 4, 5):
+                torch._dynamo.maybe_mark_dynamic(args[i], 0)
         with static_shapes():
-            return self.model.forward_cached(
-                v["ids"][:bs],
-                v["pos"][:bs],
-                v["seq"][:bs],
-                self.cache,
-                v["table"][: bs * W].view(bs, W),
-                v["lens"][:bs],
-            )
+            if not self.compile_decode:
+                return self.model.forward_cached(*args)
+            try:
+                return self._decode_fn(*args)
+            except Exception as exc:  # an op Inductor cannot compile: run uncompiled from now on (logged)
+                self._compile_failed(exc)
+                return self.model.forward_cached(*args)
+
+    def _compile_failed(self, exc: BaseException) -> None:
+        self.compile_error = f"{type(exc).__name__}: {str(exc)[:500]}"
+        logger.warning("torch.compile of the decode pass failed (%s); running it uncompiled",
+                       self.compile_error)  # fmt: skip
+        self.compile_decode = False
+        self._decode_fn = self.model.forward_cached
 
     def _run_static(self, views: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         self.static_steps += 1
