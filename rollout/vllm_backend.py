@@ -70,6 +70,8 @@ KV_DTYPES = {
 MOE_EXPERT_TARGETS = ("w1", "w2", "w3", "experts", "gate_up_proj")
 
 SyncMode = Literal["auto", "tensors", "ramdir"]
+M3_VL_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"  # the released checkpoints' class
+M3_TEXT_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"  # the text model (LoRA: rollout/vllm_m3)
 
 
 @dataclass
@@ -191,6 +193,10 @@ def engine_args(s: VLLMSettings) -> dict[str, Any]:
     }
     if s.max_num_batched_tokens:
         args["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if (cfg.get("architectures") or [None])[0] == M3_VL_ARCHITECTURE:
+        # The released M3 checkpoints name the VL class, which has no LoRA; rollouts are text, so vLLM
+        # serves the text model (the plugin's LoRA class) from the same files, vision tensors skipped.
+        args["hf_overrides"] = {"architectures": [M3_TEXT_ARCHITECTURE]}
     if _is_nvfp4(cfg):
         args["quantization"] = "modelopt_fp4"
     kv = KV_DTYPES[s.kv_cache_dtype]
