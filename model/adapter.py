@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.hf_layout import port_name
 from model.integrity import MANIFEST_FILE, IntegrityError, fsync_path, verify_manifest, write_manifest
 from model.layers.lora import (
     PROJECTOR_TARGETS,
@@ -398,16 +399,6 @@ def hf_twin_config(config) -> Any:
     )  # fmt: skip
 
 
-_HF_RENAMES = (
-    (".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
-    (".block_sparse_moe.", ".mlp."),
-    (".self_attn.index_q_proj.", ".self_attn.indexer.q_proj."),
-    (".self_attn.index_k_proj.", ".self_attn.indexer.k_proj."),
-    (".self_attn.index_q_norm.", ".self_attn.indexer.q_norm."),
-    (".self_attn.index_k_norm.", ".self_attn.indexer.k_norm."),
-)
-
-
 def hf_twin_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's base weights (adapters excluded) under the transformers port's names, fp32:
     gate/up fused into `gate_up_proj` (gate rows first), experts stacked into `gate_up_proj`
@@ -417,8 +408,7 @@ def hf_twin_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict().items():
         if "lora_" in name or ".block_sparse_moe.experts." in name or name.endswith(("_scale", "inv_freq")):
             continue
-        for src, dst in _HF_RENAMES:
-            name = name.replace(src, dst)
+        name = port_name(name)
         if name.endswith((".gate_proj.weight", ".up_proj.weight")):
             module, _, leaf = name.rpartition(".")[0].rpartition(".")
             pending_gate.setdefault(module, {})[leaf] = t.float()
@@ -429,7 +419,7 @@ def hf_twin_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, m in model.named_modules():
         if name.endswith(".block_sparse_moe.experts"):
             w1_EFD, w3_EFD, w2_EDF = m.dequantized_all(torch.float32)
-            hf = name.replace(".block_sparse_moe.", ".mlp.")
+            hf = port_name(name)
             out[f"{hf}.gate_up_proj"] = torch.cat([w1_EFD, w3_EFD], dim=1)
             out[f"{hf}.down_proj"] = w2_EDF
     return out

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 
 from model import nvfp4
 from model.config import ModelConfig
+from model.hf_config import checkpoint_layout
+from model.hf_layout import from_port_names, to_port_names
 from model.integrity import IntegrityError, fsync_path, verify_manifest, write_manifest
 from model.layers.attention import Attention
 from model.layers.moe import ExpertBank
@@ -241,13 +243,15 @@ def load_model(
         return m is None or lo <= int(m.group(3)) < hi
 
     only = None if expert_range is None else wanted
-    for raw_name, tensor in iter_tensors(path, device="cpu", verify=verify, only=only):
-        name = _canonical(raw_name)
+    stream = ((_canonical(n), t) for n, t in iter_tensors(path, device="cpu", verify=verify, only=only))
+    for name, tensor in from_port_names(stream):  # a float checkpoint in the port's layout
         if name.startswith(_SKIPPED_PREFIXES):
             continue
         m = _EXPERT_RE.match(name)
         if m:
             bank_name, e, proj, suffix = m.group(1), int(m.group(3)), m.group(4), m.group(5)
+            if not lo <= e < hi:  # split from a stacked port tensor: another rank's expert
+                continue
             if bank_name not in banks:
                 unexpected.append(name)
                 continue
@@ -462,7 +466,8 @@ class ShardWriter:
 
 
 def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
-    """Write config + shards + index, one tensor resident at a time beyond the current shard."""
+    """Write config + shards + index, one tensor resident at a time beyond the current shard (one
+    layer's experts for a float model, whose tensors take the port's names: model/hf_layout.py)."""
     if any(bank.is_partial for _, bank in _banks(model)):
         raise CheckpointError(
             "save_model: the model holds a shard of its experts (an expert-parallel rank); save the base "
@@ -471,7 +476,10 @@ def save_model(model: MiniMaxM3ForCausalLM, path: str | os.PathLike, max_shard_b
     path = Path(path)
     writer = ShardWriter(path, max_shard_bytes)
     model.config.save_pretrained(path)
-    for name, t in state_for_save(model):
+    items = state_for_save(model)
+    if checkpoint_layout(model.config) == "text":
+        items = to_port_names(items, model.config.num_local_experts)
+    for name, t in items:
         writer.add(name, t)
     writer.close()
 

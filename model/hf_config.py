@@ -1,16 +1,18 @@
-"""config.json I/O for `model.config.ModelConfig`: the two styles of MiniMax-M3 config seen in the wild
-and the ModelOpt quantization config.
+"""config.json I/O for `model.config.ModelConfig`: the MiniMax-M3 config styles seen in the wild, the
+two layouts the project writes, and the ModelOpt quantization config.
 
 What: `config_from_hf_dict` / `config_to_hf_dict` / `config_from_pretrained` / `save_config`, behind
-the `ModelConfig` methods, for (a) `minimax_m3_text` (expert width as `intermediate_size`, a
-`sparse_attention_config` dict of `sparse_*` keys and per-layer 0/1 lists, `moe_layer_freq`) and (b)
-`minimax_m3_vl` (`text_config` with flat `layer_types`, `mlp_layer_types`, `index_*`,
-`rope_parameters`, plus `vision_config`); the ModelOpt `quantization_config` / `hf_quant_config.json`
-becomes `QuantConfig`. Why apart from model/config.py: key tables change with each checkpoint.
+the `ModelConfig` methods. Read: (a) legacy `minimax_m3_text` (expert width as `intermediate_size`, a
+`sparse_attention_config` dict of `sparse_*` keys, `moe_layer_freq`), (b) the `minimax_m3_vl` wrapper
+(`text_config` with flat `layer_types`, `mlp_layer_types`, `index_*`, `rope_parameters`, optionally
+`vision_config`), (c) a flat `minimax_m3_vl_text` dict. Written (`checkpoint_layout`): a float text
+model as (c), which transformers' AutoModelForCausalLM loads (with the port's tensor names,
+model/hf_layout.py); a quantized or vision model as (b), the released checkpoints' layout, which
+vLLM loads as is. The ModelOpt `quantization_config` / `hf_quant_config.json` becomes `QuantConfig`.
 
 Invariants: unknown keys and disagreeing duplicates fail, naming the key and the fix; the round trip
-is the identity; `to_hf` writes model_type "minimax_m3_text" with the flat (b) keys plus the legacy
-mirrors vLLM reads, wrapped as style (b) when the model has a vision part.
+is the identity; every text dict written carries both the flat keys (transformers) and the legacy
+mirrors (`sparse_attention_config`, `moe_layer_freq`, `rope_theta`: vLLM's config class).
 """
 
 from __future__ import annotations
@@ -115,15 +117,32 @@ def config_from_hf_dict(d: dict) -> ModelConfig:
     return dataclasses.replace(cfg, quantization=quant, kv_cache_dtype=kv_dtype or cfg.kv_cache_dtype)
 
 
+TEXT_MODEL_TYPE = "minimax_m3_vl_text"  # transformers' model_type of the port's text model
+WRAPPER_MODEL_TYPE = "minimax_m3_vl"  # the released checkpoints' (and vLLM's) top-level model_type
+TEXT_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"  # vLLM's text-model class
+VL_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
+
+
+def checkpoint_layout(cfg: ModelConfig) -> str:
+    """Either "text": a flat `minimax_m3_vl_text` config and the port's tensor names (float text models:
+    transformers loads them); "wrapper": the released `minimax_m3_vl` layout with the checkpoint's
+    tensor names (quantized or vision models: transformers has no NVFP4 / MXFP8 MoE path)."""
+    return (
+        "wrapper"
+        if cfg.quantization.is_quantized or cfg.vision_config is not None or cfg.vl_extras
+        else "text"
+    )
+
+
 def config_to_hf_dict(cfg: ModelConfig) -> dict:
-    """Style (a) model_type "minimax_m3_text" with the flat style (b) keys, plus the legacy
-    mirrors (`sparse_attention_config`, `moe_layer_freq`, `rope_theta`) that vLLM's loader
-    reads; wrapped as style (b) (`text_config` + `vision_config`) when a vision part exists."""
+    """The config.json of `checkpoint_layout(cfg)`: the text dict (model_type "minimax_m3_vl_text",
+    the flat keys plus the legacy mirrors vLLM's config class reads) as is, or wrapped as the
+    released checkpoints are (`text_config`, top-level `quantization_config`, `vision_config`)."""
     L = cfg.num_hidden_layers
     sparse_freq = [int(cfg.is_sparse_layer(i)) for i in range(L)]
     text: dict[str, Any] = {
-        "model_type": "minimax_m3_text",
-        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "model_type": TEXT_MODEL_TYPE,
+        "architectures": [TEXT_ARCHITECTURE],
         "hidden_act": "swigluoai",
         **{
             f.name: copy.deepcopy(getattr(cfg, f.name))
@@ -153,13 +172,19 @@ def config_to_hf_dict(cfg: ModelConfig) -> dict:
             "sparse_disable_index_value": sparse_freq,
         },
     }  # fmt: skip
-    quant = _quant_to_hf(cfg, exclude_key="ignore")
-    if cfg.vision_config is None and not cfg.vl_extras:
-        return {**text, **({"quantization_config": quant} if quant else {})}
-    out: dict[str, Any] = {"model_type": "minimax_m3_vl", "text_config": text}
-    out["vision_config"] = copy.deepcopy(cfg.vision_config)
-    out.update(copy.deepcopy(cfg.vl_extras))
-    if quant:
+    if checkpoint_layout(cfg) == "text":
+        return text
+    vision = cfg.vision_config is not None or bool(cfg.vl_extras)
+    out: dict[str, Any] = {
+        "model_type": WRAPPER_MODEL_TYPE,
+        "architectures": [VL_ARCHITECTURE if vision else TEXT_ARCHITECTURE],
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "text_config": text,
+    }
+    if vision:
+        out["vision_config"] = copy.deepcopy(cfg.vision_config)
+        out.update(copy.deepcopy(cfg.vl_extras))
+    if quant := _quant_to_hf(cfg, exclude_key="ignore"):
         out["quantization_config"] = quant
     return out
 

@@ -55,7 +55,8 @@ def prepare_base(cfg: TrainConfig, run_dir: Path) -> Path:
                 "(config.json + safetensors) or model.checkpoint=null with model.preset=NAME"
             )
         src_cfg = ModelConfig.from_pretrained(src)
-        if src_cfg.quantization.routed_experts == "bf16":
+        has_experts = any(src_cfg.is_moe_layer(i) for i in range(src_cfg.num_hidden_layers))
+        if src_cfg.quantization.routed_experts == "bf16" and has_experts:
             convert(src, base)
             return base
         return src

@@ -188,7 +188,9 @@ class RolloutWorker:
             self._fingerprint = twin_fingerprint(base_dir)
             targets = tuple(cfg.lora.target_modules)
         else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support)
-            self._fingerprint = base_fingerprint(load_model(base_dir, device="cpu"))
+            # in the dtype the learner holds it in: the fingerprint covers dtypes
+            held = load_model(base_dir, device="cpu", dtype=_DTYPES[cfg.model.dtype])
+            self._fingerprint = base_fingerprint(held)
             targets = tuple(peft_target_modules(list(cfg.lora.target_modules)))
         eos = self.tokenizer.eos_token_id
         self.engine = VLLMEngine(vllm_settings(cfg, base_dir, targets, self.index, eos))

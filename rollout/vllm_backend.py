@@ -6,7 +6,9 @@ What: `VLLMEngine(settings)` starts vLLM with LoRA and serves `generate` / `set_
 reject. Adapters arrive as tensors through a worker extension (`LoRATensorExtension`), or through a
 RAM-backed directory on untested vLLM versions.
 Invariants: version v is served as `policy-v{v}` (the prefix cache never mixes adapters); one adapter
-version is resident; log-probs are vLLM's processed (temperature-scaled) log-probs.
+version is resident; log-probs are vLLM's processed (temperature-scaled) log-probs; LoRA targets are
+passed to vLLM explicitly and each must land in a module vLLM wrapped, or start-up fails naming it.
+The project's vLLM plugin (rollout/vllm_m3: MiniMax-M3 with LoRA) is loaded in every vLLM process.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ KV_DTYPES = {
 MOE_EXPERT_TARGETS = ("w1", "w2", "w3", "experts", "gate_up_proj")
 
 SyncMode = Literal["auto", "tensors", "ramdir"]
+M3_VL_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"  # the released checkpoints' class
+M3_TEXT_ARCHITECTURE = "MiniMaxM3SparseForCausalLM"  # the text model (LoRA: rollout/vllm_m3)
 
 
 @dataclass
@@ -146,6 +150,12 @@ def _is_nvfp4(cfg: dict) -> bool:
     return (q.get("quant_method") == "modelopt" and "NVFP4" in algo) or algo == "NVFP4"
 
 
+def lora_target_modules(targets: tuple[str, ...]) -> list[str]:
+    """vLLM's `lora_target_modules` for PEFT target names (`self_attn.q_proj` -> `q_proj`): vLLM matches
+    a module by its last name, or a packed module (`qkv_proj`) by the names packed into it."""
+    return sorted({t.rpartition(".")[2] for t in targets})
+
+
 def engine_args(s: VLLMSettings) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `vllm.EngineArgs` from the settings. Raises ValueError for
     combinations vLLM would reject (or silently serve wrong) and logs a warning where vLLM may lack
@@ -165,6 +175,9 @@ def engine_args(s: VLLMSettings) -> dict[str, Any]:
         "dtype": s.dtype,
         "max_model_len": s.max_model_len,
         "enable_lora": True,
+        # Explicit, so vLLM raises for a target module it matches but cannot wrap instead of skipping it
+        # with a warning (`VLLMEngine` then checks that every target landed in a wrapped module).
+        "lora_target_modules": lora_target_modules(s.lora_targets),
         "max_lora_rank": s.max_lora_rank,
         "max_loras": 1,  # one policy version serves a whole generate() call
         "max_cpu_loras": 2,  # the next version is registered before the previous one is evicted
@@ -180,6 +193,10 @@ def engine_args(s: VLLMSettings) -> dict[str, Any]:
     }
     if s.max_num_batched_tokens:
         args["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if (cfg.get("architectures") or [None])[0] == M3_VL_ARCHITECTURE:
+        # The released M3 checkpoints name the VL class, which has no LoRA; rollouts are text, so vLLM
+        # serves the text model (the plugin's LoRA class) from the same files, vision tensors skipped.
+        args["hf_overrides"] = {"architectures": [M3_TEXT_ARCHITECTURE]}
     if _is_nvfp4(cfg):
         args["quantization"] = "modelopt_fp4"
     kv = KV_DTYPES[s.kv_cache_dtype]
@@ -278,6 +295,19 @@ class LoRATensorExtension:
         mgr._adapter_manager.add_adapter(lora)
         return len(lora.loras)
 
+    def nvrl_unwrapped_targets(self, targets: list[str]) -> list[str] | None:
+        """The PEFT targets (`self_attn.q_proj`) no LoRA-wrapped module of this worker holds, counting
+        the slices a packed module really has (M3's dense qkv_proj: q/k/v of five names); None if the
+        manager's internals are not the tested ones."""
+        mgr = getattr(getattr(self.model_runner, "lora_manager", None), "_adapter_manager", None)
+        if mgr is None or not hasattr(mgr, "modules") or not hasattr(mgr, "packed_modules"):
+            return None
+        held: set[str] = set()
+        for name, module in mgr.modules.items():
+            packed = mgr.packed_modules.get(name)
+            held.update(packed[: getattr(module, "n_slices", len(packed))] if packed else [name])
+        return sorted(t for t in targets if not any(h == t or h.endswith("." + t) for h in held))
+
     def nvrl_remove_lora(self, lora_id: int) -> bool:
         return bool(self.model_runner.lora_manager.remove_adapter(lora_id))
 
@@ -299,6 +329,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import vllm
 
+        from rollout.vllm_m3 import ensure_discoverable
+
+        ensure_discoverable()  # the M3 plugin, in this process and in every process vLLM starts
+
         self.settings = settings
         args = engine_args(settings)
         args.update(llm_overrides)
@@ -313,8 +347,34 @@ class VLLMEngine:
         self._warned_truncation = False
         self.sync_mode = self._choose_sync(vllm.__version__)
         self.last_sync: dict[str, float] = {}
+        self._check_targets()
 
     # ------------------------------------------------------------------ adapters
+    def _check_targets(self) -> None:
+        """Fail at start, naming it, on a LoRA target that no module vLLM wrapped holds (its deltas
+        would never be applied). A target spelled several ways in PEFT (`mlp.gate_proj`,
+        `shared_experts.gate_proj`) fails when none of its spellings is held."""
+        per_worker = self.llm.collective_rpc(
+            "nvrl_unwrapped_targets", args=(list(self.settings.lora_targets),)
+        )
+        if any(m is None for m in per_worker):
+            log.warning(
+                "LoRA targets not verified: this vLLM's LoRA manager internals are not the tested ones"
+            )
+            return
+        unheld = {t for m in per_worker for t in m}
+        spellings: dict[str, set[str]] = {}
+        for t in self.settings.lora_targets:
+            spellings.setdefault(t.rpartition(".")[2], set()).add(t)
+        missing = sorted(leaf for leaf, names in spellings.items() if names <= unheld)
+        if missing:
+            self.close()
+            raise ValueError(
+                f"LoRA target(s) {missing}: vLLM wrapped no module that holds them on {self.settings.model}, "
+                "so their adapter deltas would be dropped; remove them from lora.target_modules (e.g. "
+                "index_q_proj / index_k_proj need sparse-attention layers)"
+            )
+
     def _choose_sync(self, version: str) -> Literal["tensors", "ramdir"]:
         want = self.settings.sync
         if want == "ramdir":

