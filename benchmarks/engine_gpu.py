@@ -112,6 +112,23 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
     return kernel_us / wall_us, kernels / steps, top
 
 
+def replay_only_ms(eng: NativeEngine, batch: int, device: torch.device, n: int = 50) -> float | None:
+    """ms per replay of the bucket graph of `batch` alone (no scheduling, staging or sampling): the
+    step's GPU part; decode_ms minus it is the host's share. None without a captured graph."""
+    r = eng.runner
+    bs = next((b for b in r.buckets if b >= batch), None)
+    if device.type != "cuda" or bs not in r._graphs:
+        return None
+    graph = r._graphs[bs][0]
+    graph.replay()  # the static buffers hold the last real step (or padding): replays write no real row
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
 def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int]:
     """(seconds, weight bytes, KV bytes): every parameter / buffer byte once + what attention reads."""
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -185,6 +202,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     step_s = (t_long - t_short) / (args.long - args.short)
     floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
     busy, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
+    replay_ms = replay_only_ms(eng, B, device)
     row = {
         "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
         "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
@@ -193,6 +211,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
         "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
         "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
+        "replay_ms": replay_ms, "host_ms": None if replay_ms is None else 1e3 * step_s - replay_ms,
         "warmup_s": warmup_s, "compile_error": eng.runner.compile_error, **_dynamo_counts(mode),
         **({"top_kernels": top} if args.breakdown else {}),
     }  # fmt: skip
@@ -286,16 +305,17 @@ def main() -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
         del hf
-    print("\n| preset | batch | mode | decode ms | tok/s | GPU busy | floor ms | x floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| preset | batch | mode | decode ms | replay ms | tok/s | GPU busy | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | |")
+            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | | |")
             continue
         busy = "" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
         floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
         over = f"{r['over_floor']:.1f}x" if "over_floor" in r else ""
-        print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {r['tok_s']:.0f} | "
+        replay = f"{r['replay_ms']:.3f}" if r.get("replay_ms") is not None else ""
+        print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {replay} | {r['tok_s']:.0f} | "
               f"{busy} | {floor} | {over} |")  # fmt: skip
 
 
