@@ -45,6 +45,7 @@ Device = Literal["cpu", "cuda"]
 LearnerParallel = Literal["none", "dep", "dp"]
 EngineParallel = Literal["none", "dep", "dcp"]
 TrackingMode = Literal["offline", "online", "disabled"]
+WarmupTask = Literal["arithmetic", "tools"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
     "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
@@ -79,8 +80,11 @@ class ModelSection:
     overrides: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "byte"  # "byte" (common/tokenizer.py) or a Hugging Face tokenizer name/path
     # Build `checkpoint` with the arithmetic warm-up (rollout/bases/warmup.py) when it does not exist yet: the
-    # quickstart's base is made once on the user's machine and cached, not downloaded.
+    # quickstart's base is made once on the user's machine and cached, not downloaded. `warmup_task`
+    # picks the builder: "arithmetic" (the quickstart) or "tools" (quickstart_tools: the calculator's
+    # call format, rollout/bases/tools_warmup.py).
     warmup: bool = False
+    warmup_task: WarmupTask = "arithmetic"
 
     def __post_init__(self) -> None:
         require(
