@@ -25,8 +25,9 @@ from tests.rollout.test_multiturn import ReplyEnv
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("multiturn")
-    overrides = [f"output_dir={out}", "model.checkpoint=null", "model.warmup=false", "rollout.max_pages=256",
-                 "trainer.micro_batch_size=4", "rollout.torch_threads=1", "trainer.torch_threads=1"]  # fmt: skip
+    overrides = [f"output_dir={out}", "model.checkpoint=null", "model.warmup=false",
+                 "rollout.max_pages=256", "trainer.micro_batch_size=4", "rollout.torch_threads=1",
+                 "trainer.torch_threads=1"]  # fmt: skip
     cfg = load_config("quickstart_tools", overrides)
     base = str(prepare_base(cfg, out))
     learner = Learner(cfg, base)
@@ -54,8 +55,9 @@ def trajectories(worker: RolloutWorker, n_prompts: int = 2, n: int = 2) -> list[
     with cf.ThreadPoolExecutor(4) as pool:
         trajs = multiturn.run_episodes(multiturn.NativeTurns(worker.engine), groups, tok, limits, pool)
     return [
-        Sample(uid=t.request_id, prompt_ids=t.prompt_ids, response_ids=t.token_ids, rollout_logprobs=t.logprobs,
-               finish_reason="stop", adapter_version=0, response_mask=t.is_model, advantage=(-1.0) ** i)
+        Sample(uid=t.request_id, prompt_ids=t.prompt_ids, response_ids=t.token_ids,
+               rollout_logprobs=t.logprobs, finish_reason="stop", adapter_version=0,
+               response_mask=t.is_model, advantage=(-1.0) ** i)
         for i, t in enumerate(trajs)
     ]  # fmt: skip
 
