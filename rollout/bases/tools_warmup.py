@@ -5,9 +5,11 @@ directly (which it cannot do reliably), stored with NVFP4 routed experts.
 Why: GRPO can only raise tool use it sometimes sees. The warm-up writes `tool_share` of its examples as
 a whole episode (prompt, an M3 `<tool_call>` of the calculator, the real tool reply, "Answer: <n>") and
 the others as a direct "Answer: <n>", both through the same renderer the rollouts use
-(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. It stops at
-`max_steps` or once held-out greedy episode accuracy reaches `target_acc` (measured with the real
-calculator through the native multi-turn driver), then quantizes the experts like rollout/bases/warmup.py.
+(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. With a 30% share
+the greedy policy answers directly (and is nearly always wrong) while sampling calls the tool about
+a third of the time: the reward variance GRPO needs. It runs `max_steps` steps (or until held-out
+greedy episode accuracy, measured with the real calculator through the native multi-turn driver,
+reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
 
     python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -41,18 +44,25 @@ from rollout.tools.env import ToolEnv
 from rollout.tools.registry import REGISTRY
 
 INFO_FILE = "warmup.json"
+_say = functools.partial(print, flush=True)  # progress lines appear as they happen, even when piped
 DIGITS = (3, 2)
 MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 160, 512
 
 
-def tool_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], list[int]]:
+def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one episode that calls the calculator: prompt, call (trained), tool reply
-    (not trained), "Answer: <result>" + EOS (trained)."""
+    (not trained), "Answer: <result>" + EOS (trained). With `code`: a `python` call of that program
+    instead, its reply a placeholder (test bases that exercise the sandbox; nothing runs here)."""
     prompt = multiturn.chat_prompt_ids(tok, p.messages)
     expression = p.messages[-1]["content"].rstrip("=")
-    call = tok.encode(render_tool_calls([ToolCall("calculator", {"expression": expression})]), False)
-    result = REGISTRY.call("calculator", {"expression": expression})[0]
-    reply = multiturn.env_turn_ids(tok, [{"role": "tool", "name": "calculator", "content": result}])
+    if code is None:
+        call = tok.encode(render_tool_calls([ToolCall("calculator", {"expression": expression})]), False)
+        result = REGISTRY.call("calculator", {"expression": expression})[0]
+        name = "calculator"
+    else:
+        call = tok.encode(render_tool_calls([ToolCall("python", {"code": code})]), False)
+        result, name = p.ground_truth, "python"
+    reply = multiturn.env_turn_ids(tok, [{"role": "tool", "name": name, "content": result}])
     answer = [*tok.encode(f"Answer: {result}", add_special_tokens=False), tok.eos_token_id]
     ids = prompt + call + reply + answer
     return ids, [0] * len(prompt) + [1] * len(call) + [0] * len(reply) + [1] * len(answer)
@@ -106,17 +116,20 @@ def build_tools_base(
     out: str | Path,
     *,
     tool_share: float = 0.3,
-    target_acc: float = 0.15,
-    max_steps: int = 600,
-    eval_every: int = 50,
+    target_acc: float | None = None,
+    max_steps: int = 300,
+    eval_every: int = 100,
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
     num_train: int = 4096,
     num_eval: int = 64,
+    python_codes: tuple[str, ...] = (),
     device: str = "cpu",
-    log=print,
+    log=_say,
 ) -> dict:
+    """`python_codes`: half of the tool examples call `python` with one of these programs instead
+    (test bases whose rollouts exercise the sandbox)."""
     out = Path(out)
     torch.manual_seed(seed)
     # As rollout/bases/warmup.py: float experts while training, K/V seen through the NVFP4 cache.
@@ -129,7 +142,10 @@ def build_tools_base(
     evals = arithmetic_dataset(num_eval, seed=0, ops=["*"], digits=DIGITS, split="eval")
     gen = torch.Generator().manual_seed(seed)
     is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
-    examples = [tool_example(tok, p) if t else direct_example(tok, p) for p, t in zip(train, is_tool)]
+    codes = [python_codes[i % len(python_codes)] if python_codes and i % 2 else None
+             for i in range(len(train))]  # fmt: skip
+    examples = [tool_example(tok, p, c) if t else direct_example(tok, p)
+                for p, t, c in zip(train, is_tool, codes, strict=True)]  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     t0, ev, step = time.perf_counter(), {"acc": 0.0, "tool_use": 0.0}, 0
     for step in range(1, max_steps + 1):
@@ -143,7 +159,7 @@ def build_tools_base(
             took = time.perf_counter() - t0
             log(f"tools warm-up step {step}: loss {loss.item():.3f}, held-out greedy episodes (NVFP4): "
                 f"acc {ev['acc']:.3f}, tool use {ev['tool_use']:.3f} ({took:.0f}s)")  # fmt: skip
-            if ev["acc"] >= target_acc:
+            if target_acc is not None and ev["acc"] >= target_acc:
                 break
     with tempfile.TemporaryDirectory() as tmp:
         model.requires_grad_(False)
@@ -163,7 +179,7 @@ def build_tools_base(
     return info
 
 
-def ensure_tools_base(path: str | Path, device: str = "cpu", log=print) -> Path:
+def ensure_tools_base(path: str | Path, device: str = "cpu", log=_say) -> Path:
     path = Path(path)
     if (path / INFO_FILE).exists() and recorded_tokenizer(path) is not None:
         return path
@@ -177,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Build the quickstart_tools base.")  # fmt: skip
     p.add_argument("--out", default="runs/_cache/quickstart-tools-base")
     p.add_argument("--tool-share", type=float, default=0.3)
-    p.add_argument("--target-acc", type=float, default=0.15)
-    p.add_argument("--max-steps", type=int, default=600)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--target-acc", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     build_tools_base(args.out, tool_share=args.tool_share, target_acc=args.target_acc,
                      max_steps=args.max_steps, eval_every=args.eval_every, batch_size=args.batch_size,
-                     lr=args.lr, seed=args.seed, log=lambda msg: print(msg, flush=True))  # fmt: skip
+                     lr=args.lr, seed=args.seed)  # fmt: skip
     return 0
 
 
