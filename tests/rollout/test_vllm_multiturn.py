@@ -20,6 +20,7 @@ from rollout.engine import SamplingParams  # noqa: E402
 from rollout.vllm_backend import VLLMEngine, VLLMSettings  # noqa: E402
 from tests.rollout.test_multiturn import ReplyEnv  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a vLLM engine of its own: 176 s on a loaded 2-core machine
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOK = ByteTokenizer()  # the tiny Qwen3's 264 ids hold the byte tokenizer's 259
 
