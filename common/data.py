@@ -340,9 +340,11 @@ def arithmetic_dataset(
     max_operand: int = 50,
     ops: Sequence[ArithOp] | str = ("+", "-"),
     split: Split = "train",
+    digits: Sequence[int] | None = None,
 ) -> list[Prompt]:
     """`n` distinct problems "a<op>b=" with a, b in [0, max_operand] (ordered pairs: "-" may give a
     negative answer), ground truth str(answer); the expected completion is "Answer: <answer>".
+    `digits` = (da, db) instead: a has exactly da digits and b exactly db (e.g. (3, 2): 123*45).
     Problems of `split` only (about 90% train / 10% eval, fixed by a hash of the problem text)."""
     ops = list(ops)
     bad = [op for op in ops if op not in ("+", "-", "*")]
@@ -353,9 +355,14 @@ def arithmetic_dataset(
     if max_operand < 0 or n < 0:
         raise ValueError(f"need n >= 0 and max_operand >= 0, got n={n}, max_operand={max_operand}")
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-    side = max_operand + 1
-    if len(ops) * side * side <= _ENUMERATE_LIMIT:
-        pool = [(a, op, b) for op in ops for a in range(side) for b in range(side)]
+    if digits is not None:
+        if len(digits) != 2 or not all(isinstance(d, int) and 1 <= d <= 9 for d in digits):
+            raise ValueError(f"digits must be two ints in [1, 9] (digits of a and of b), got {digits}")
+        range_a, range_b = (range(10 ** (d - 1) if d > 1 else 0, 10**d) for d in digits)
+    else:
+        range_a = range_b = range(max_operand + 1)
+    if len(ops) * len(range_a) * len(range_b) <= _ENUMERATE_LIMIT:
+        pool = [(a, op, b) for op in ops for a in range_a for b in range_b]
         pool = [t for t in pool if _arith_split(_arith_text(*t)) == split]
         if n > len(pool):
             raise ValueError(
@@ -366,7 +373,8 @@ def arithmetic_dataset(
     else:  # huge space: rejection-sample distinct problems (collisions are rare)
         chosen, seen = [], set()
         while len(chosen) < n:
-            t = (int(rng.integers(side)), ops[int(rng.integers(len(ops)))], int(rng.integers(side)))
+            a, b = (r[int(rng.integers(len(r)))] for r in (range_a, range_b))
+            t = (a, ops[int(rng.integers(len(ops)))], b)
             if t not in seen and _arith_split(_arith_text(*t)) == split:
                 seen.add(t)
                 chosen.append(t)
@@ -476,7 +484,8 @@ def build_datasets(
     split are counted in the stream's `skipped_rows`."""
     skipped: Counter = Counter()
     if data.kind == "arithmetic":
-        common = {"seed": data.seed, "max_operand": data.max_operand, "ops": list(data.ops)}
+        common = {"seed": data.seed, "max_operand": data.max_operand, "ops": list(data.ops),
+                  "digits": getattr(data, "digits", None)}  # fmt: skip
         train = arithmetic_dataset(data.num_train, split="train", **common)
         evals = arithmetic_dataset(data.num_eval, split="eval", **common)
     elif data.kind == "dapo_math":

@@ -116,6 +116,18 @@ class TrainConfig:
         )
         if self.rollout.engine_parallel != "none":
             self._check_parallel_engine()
+        if self.rollout.multi_turn.enabled:
+            mt = "rollout.multi_turn.enabled=true"
+            require(
+                self.reward.overlong_buffer == 0,
+                f"{mt}: DAPO overlong shaping is defined on one completion's length; set "
+                "reward.overlong_buffer=0 (the turn and context limits bound a trajectory)",
+            )
+            require(
+                self.data.kind != "geo_vision",
+                f"{mt} takes text prompts; data.kind=geo_vision has images: use data.kind=arithmetic or "
+                "dapo_math, or rollout.multi_turn.enabled=false",
+            )
         if self.trainer.device == "cpu":
             require(
                 self.rollout.num_gpus == 0 and self.trainer.num_gpus == 0,

@@ -45,6 +45,7 @@ Device = Literal["cpu", "cuda"]
 LearnerParallel = Literal["none", "dep", "dp"]
 EngineParallel = Literal["none", "dep", "dcp"]
 TrackingMode = Literal["offline", "online", "disabled"]
+WarmupTask = Literal["arithmetic", "tools"]
 
 _WANDB_ENV_MODES: dict[str, TrackingMode] = {
     "offline": "offline", "dryrun": "offline", "online": "online", "run": "online", "disabled": "disabled",
@@ -79,8 +80,11 @@ class ModelSection:
     overrides: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "byte"  # "byte" (common/tokenizer.py) or a Hugging Face tokenizer name/path
     # Build `checkpoint` with the arithmetic warm-up (rollout/bases/warmup.py) when it does not exist yet: the
-    # quickstart's base is made once on the user's machine and cached, not downloaded.
+    # quickstart's base is made once on the user's machine and cached, not downloaded. `warmup_task`
+    # picks the builder: "arithmetic" (the quickstart) or "tools" (quickstart_tools: the calculator's
+    # call format, rollout/bases/tools_warmup.py).
     warmup: bool = False
+    warmup_task: WarmupTask = "arithmetic"
 
     def __post_init__(self) -> None:
         require(
@@ -113,7 +117,8 @@ class DataSection:
     local order, reading the hub splits `hub_train_split` / `hub_eval_split`; rows with more than
     `max_images` images or an image over `max_image_pixels` (width x height) are skipped.
     `arithmetic`: a synthetic dataset (common/data.py) of `num_train` / `num_eval` problems over
-    integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format."""
+    integers in [0, max_operand] with the operators `ops`, in the same prompt/answer format; `digits`
+    [da, db] instead draws a with exactly da digits and b with db (e.g. [3, 2]: 123*45)."""
 
     kind: DataKind = "arithmetic"
     train_path: str | None = None
@@ -130,6 +135,7 @@ class DataSection:
     num_eval: int = 128
     max_operand: int = 50
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    digits: list[int] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -141,6 +147,10 @@ class DataSection:
         if self.kind == "arithmetic":
             at_least(self, "data", 1, "num_train", "max_operand")
             at_least(self, "data", 0, "num_eval")
+            require(
+                self.digits is None or (len(self.digits) == 2 and all(1 <= d <= 9 for d in self.digits)),
+                f"data.digits must be null or two digit counts in [1, 9] (of a and of b), got {self.digits}",
+            )
             bad = [op for op in self.ops if op not in ("+", "-", "*")]
             require(
                 bool(self.ops) and not bad, f"data.ops must be a non-empty subset of [+, -, *]: {self.ops}"
@@ -170,6 +180,47 @@ class DSparkSection:
             not self.cotrain.enabled or self.drafter is not None,
             "rollout.dspark.cotrain.enabled=true needs rollout.dspark.drafter=DIR (a drafter to start "
             "from; python -m rollout.dspark.train builds one)",
+        )
+
+
+@dataclass
+class MultiTurnSection:
+    """Multi-turn tool-use episodes (rollout/multiturn.py, rollout/tools/): with `enabled`, every rollout
+    is a trajectory of model turns and tool turns in a `ToolEnv` over the registered `tools`
+    ("calculator", "python"). A turn ends at the tool-call end marker or EOS, at `max_tokens_per_turn`
+    tokens (null: rollout.max_tokens); a trajectory has at most `max_turns` model turns and
+    `max_context` tokens (prompt included) and runs at most `max_calls_per_turn` calls per turn.
+    `show_tools` puts the tools' schemas in the first prompt (the chat template's tools list);
+    `system_prompt` (when non-empty) is the episode's system message. `tool_workers` threads per rollout
+    worker run the environment steps while the engine generates; `deterministic` applies each reply at
+    a fixed engine step, so a run replays exactly (resume). The `python` tool runs in a sandbox process
+    per call with `python_cpu_s` CPU seconds, `python_wall_s` wall seconds and `python_memory_mb` of
+    address space. Only model tokens are trained; tool tokens have zero loss weight."""
+
+    enabled: bool = False
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    max_turns: int = 4
+    max_tokens_per_turn: int | None = None
+    max_context: int = 2048
+    max_calls_per_turn: int = 4
+    show_tools: bool = True
+    system_prompt: str = ""
+    tool_workers: int = 8
+    deterministic: bool = True
+    python_cpu_s: int = 2
+    python_wall_s: float = 5.0
+    python_memory_mb: int = 512
+
+    def __post_init__(self) -> None:
+        section = "rollout.multi_turn"
+        at_least(self, section, 1, "max_turns", "max_tokens_per_turn", "max_context", "max_calls_per_turn")
+        at_least(self, section, 1, "tool_workers", "python_cpu_s", "python_memory_mb")
+        require(self.python_wall_s > 0, f"{section}.python_wall_s must be > 0, got {self.python_wall_s}")
+        known = ("calculator", "python")
+        bad = [t for t in self.tools if t not in known]
+        require(
+            bool(self.tools) and not bad,
+            f"{section}.tools must be a non-empty list of registered tools {list(known)}, got {self.tools}",
         )
 
 
@@ -217,6 +268,7 @@ class RolloutSection:
     # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
     # drafter is rollout.dspark.drafter.
     dspark: DSparkSection = field(default_factory=DSparkSection)
+    multi_turn: MultiTurnSection = field(default_factory=MultiTurnSection)
     vllm_sync: VLLMSync = "auto"
     vllm_dtype: ModelDtype | None = None
     max_model_len: int = 2048
@@ -258,6 +310,18 @@ class RolloutSection:
                 "rollout.backend=native rollout.engine_parallel=none rollout.dspark.drafter=null",
             )
         at_least(self, "rollout", 0, "temperature", "num_gpus")
+        if self.multi_turn.enabled:
+            mt = "rollout.multi_turn.enabled=true"
+            require(
+                self.dspark.drafter is None,
+                f"{mt} does not run DSpark speculation yet (parked sequences and the drafter's cache are "
+                "not wired together): set rollout.dspark.drafter=null or rollout.multi_turn.enabled=false",
+            )
+            require(
+                self.engine_parallel == "none",
+                f"{mt} needs one process per replica (rollout.engine_parallel=none); DEP / DCP replicas do "
+                "not continue parked sequences yet",
+            )
         require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         require(
             0 < self.gpu_memory_utilization <= 1,

@@ -366,7 +366,8 @@ def _to_cpu(obj):
 
 def collate(samples: list[Sample], ignore_ids: tuple[int, ...] = ()) -> dict:
     """Right-padded [B, T] tensors: input = prompt + response[:-1], targets shifted by one,
-    mask = 1 on response targets; padding gets seq id -1 so attention ignores it. `ignore_ids`
+    mask = 1 on response targets the model sampled (`Sample.response_mask`: tool tokens of a multi-turn
+    trajectory stay 0, so they get no loss and no count in token means); padding gets seq id -1. `ignore_ids`
     (image placeholders and brackets) are never targets, even in a response. "images" lists every
     sample's images in row order: the reading order of the batch's placeholders."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
@@ -384,7 +385,10 @@ def collate(samples: list[Sample], ignore_ids: tuple[int, ...] = ()) -> dict:
         targets[b, :n] = torch.tensor(full[1:])
         seq_ids[b, :n] = 0
         p, r = len(s.prompt_ids), len(s.response_ids)
-        mask[b, p - 1 : p - 1 + r] = 1.0
+        # Multi-turn: only the model's tokens are targets; the environment's stay at mask 0.
+        mask[b, p - 1 : p - 1 + r] = (
+            1.0 if s.response_mask is None else torch.tensor(s.response_mask, dtype=torch.float32)
+        )
         adv[b, p - 1 : p - 1 + r] = s.advantage
         rollout_logp[b, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs)
     if ignore_ids:

@@ -244,7 +244,8 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for key, style in (("reward/mean", "-"), ("acc/mean", "-"), ("eval/acc", "o--")):
+    curves = (("reward/mean", "-"), ("acc/mean", "-"), ("eval/acc", "o--"), ("eval/tool_call_success", "s:"))
+    for key, style in curves:  # a curve is drawn only if the run logs it (tool success: multi-turn runs)
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=5)

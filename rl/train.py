@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             from rollout.bases.hf_toy import ensure_hf_toy_base
 
             ensure_hf_toy_base(Path(cfg.model.checkpoint))
+        elif cfg.model.warmup and cfg.model.checkpoint and cfg.model.warmup_task == "tools":
+            from rollout.bases.tools_warmup import ensure_tools_base
+
+            ensure_tools_base(Path(cfg.model.checkpoint), device=cfg.trainer.device)
         elif cfg.model.warmup and cfg.model.checkpoint:
             from rollout.bases.warmup import ensure_base
 

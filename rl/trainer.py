@@ -146,7 +146,7 @@ class Trainer:
             ):
                 break
         t_gen = time.perf_counter() - t0
-        lengths = [len(s.response_ids) for s in generated]
+        lengths = [s.num_model_tokens for s in generated]  # multi-turn: the model's tokens only
         clipped = sum(s.finish_reason == "length" for s in generated)
         metrics: dict[str, float] = {
             "reward/mean": _mean([s.reward for s in generated]),
@@ -159,6 +159,8 @@ class Trainer:
             "timing_s/gen": t_gen,
         }
         metrics.update(self._spec_metrics())
+        if c.rollout.multi_turn.enabled:
+            metrics.update(multi_turn_metrics(generated, "multi_turn/"))
         kinds = [s.extra.get("reward_error_kind") for s in generated]
         metrics.update(reward_error_metrics([{"error": "", "error_kind": k} if k else {} for k in kinds]))
         metrics.update(skipped_row_metrics(getattr(self.train_stream, "skipped_rows", {})))
@@ -207,8 +209,10 @@ class Trainer:
         out = {
             "eval/acc": _mean([s.acc for s in samples]),
             "eval/reward": _mean([s.reward for s in samples]),
-            "eval/response_length": _mean([len(s.response_ids) for s in samples]),
+            "eval/response_length": _mean([s.num_model_tokens for s in samples]),
         }
+        if c.rollout.multi_turn.enabled:
+            out.update(multi_turn_metrics(samples, "eval/"))
         # eval's own speculation counters (kept out of the next training step's spec/accept_len)
         out.update({f"eval/{k.removeprefix('spec/')}": v for k, v in self._spec_metrics().items()})
         return out
@@ -297,6 +301,14 @@ class Trainer:
                      "answer": s.ground_truth}
                     for s in self._last_samples
                 ]  # fmt: skip
+                if c.rollout.multi_turn.enabled:  # the whole trajectory is the completion; its turns
+                    for row, s in zip(rows, self._last_samples, strict=True):
+                        row.update(
+                            final_answer=s.score_text,
+                            turns=s.extra.get("turns"),
+                            tool_calls=s.extra.get("tool_calls"),
+                            tool_errors=s.extra.get("tool_errors"),
+                        )
                 self.tracker.log_samples(self.step, rows)
             plot_rewards(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "reward.png")
             if c.trainer.save_every > 0 and self.step % c.trainer.save_every == 0:
@@ -307,6 +319,8 @@ class Trainer:
             }
             if "eval/acc" in metrics:
                 postfix["eval_acc"] = f"{metrics['eval/acc']:.3f}"
+            if "eval/tool_call_success" in metrics:
+                postfix["eval_tool_ok"] = f"{metrics['eval/tool_call_success']:.3f}"
             bar.set_postfix(postfix)
             bar.update(1)
             last = metrics
@@ -333,6 +347,25 @@ class Trainer:
 
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def multi_turn_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
+    """Per-trajectory means of a multi-turn step (or eval): turns, tool calls, tool errors, tool
+    seconds, tokens by role; sandbox timeouts in all; `tool_use` = share of trajectories that tried
+    a call; `tool_call_success` = share of tried calls (parsed or malformed) that ran without error."""
+    ex = [s.extra for s in samples]
+    attempts = sum(e.get("tool_calls", 0) + e.get("tool_malformed", 0) for e in ex)
+    errors = sum(e.get("tool_errors", 0) for e in ex)
+    out = {f"{prefix}{k}": _mean([float(e.get(k, 0)) for e in ex])
+           for k in ("turns", "tool_calls", "tool_errors", "tool_seconds")}  # fmt: skip
+    out[f"{prefix}sandbox_timeouts"] = float(sum(e.get("sandbox_timeouts", 0) for e in ex))
+    out[f"{prefix}tool_use"] = _mean(
+        [float(e.get("tool_calls", 0) + e.get("tool_malformed", 0) > 0) for e in ex]
+    )
+    out[f"{prefix}tool_call_success"] = (attempts - errors) / attempts if attempts else 0.0
+    out[f"{prefix}tokens_model"] = _mean([float(e.get("model_tokens", 0)) for e in ex])
+    out[f"{prefix}tokens_env"] = _mean([float(e.get("env_tokens", 0)) for e in ex])
+    return out
 
 
 def run(cfg: TrainConfig) -> dict[str, float]:

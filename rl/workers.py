@@ -47,6 +47,17 @@ class Sample:
     # The prompt's images (model.vision.ProcessedImage), in placeholder order: the learner merges
     # the same features the engine saw. The samples of one prompt share the same objects.
     images: tuple = ()
+    # Multi-turn trajectories (rollout/multiturn.py): response_ids holds every token after the prompt,
+    # the model's and the tools'; `response_mask[i]` is 1 where the model sampled token i (only those
+    # are trained: the others get zero loss weight and are not counted in token means); None = all
+    # (single turn). `score_text`: what the reward scores (the last model turn without its tool calls);
+    # None = `text`.
+    response_mask: list[int] | None = None
+    score_text: str | None = None
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
 
 def build_policy(
@@ -170,6 +181,7 @@ class RolloutWorker:
             max_pages=cfg.rollout.max_pages,
             max_batch_tokens=cfg.rollout.max_batch_tokens,
             max_num_seqs=cfg.rollout.max_num_seqs,
+            detokenize=self.tokenizer.decode,  # stop strings (a tool call's end marker)
             drafter=self.drafter,
             spec=spec,
             cuda_graphs=cfg.rollout.cuda_graphs,
@@ -213,6 +225,9 @@ class RolloutWorker:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:  # multi-turn tool threads
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def generate(
         self,
@@ -241,8 +256,10 @@ class RolloutWorker:
             max_tokens=r.max_tokens,
             stop_token_ids=tuple(self.tokenizer.stop_token_ids),
         )
-        requests, images_of = [], {}
         positions = list(range(len(prompts))) if positions is None else positions
+        if r.multi_turn.enabled:
+            return self._generate_episodes(prompts, n, params, seed, positions)
+        requests, images_of = [], {}
         vision = self._vision_config()
         for i, p in zip(positions, prompts, strict=True):
             if _has_image_parts(p.messages):
@@ -270,6 +287,82 @@ class RolloutWorker:
                     images=images_of[p.uid],
                 )
             )
+        return samples
+
+    # ------------------------------------------------------------------ multi-turn
+    def _tool_registry(self):
+        """The run's tools: the registered ones, with `python` bound to the recipe's sandbox limits."""
+        import rollout.tools.calculator  # noqa: F401  (registers the tools)
+        import rollout.tools.sandbox as sandbox
+        from rollout.tools.registry import REGISTRY, Registry, Tool
+
+        mt = self.cfg.rollout.multi_turn
+        limits = sandbox.Limits(cpu_s=mt.python_cpu_s, wall_s=mt.python_wall_s,
+                                memory_bytes=mt.python_memory_mb << 20)  # fmt: skip
+        registry = Registry()
+        for name in mt.tools:
+            t = REGISTRY.tools[name]
+            if name == "python":
+                t = Tool(t.name, t.description, t.parameters, lambda code: sandbox.run_python(code, limits))
+            registry.add(t)
+        return registry
+
+    def _generate_episodes(
+        self, prompts: list, n: int, params, seed: int, positions: list[int]
+    ) -> list[Sample]:
+        """n multi-turn trajectories of each prompt (rollout/multiturn.py) as Samples: response_ids
+        every token after the prompt, response_mask the model's, score_text the final answer."""
+        import concurrent.futures as cf
+
+        from common.data import text_only
+        from common.tool_calls import TOOL_CALL_END
+        from rollout import multiturn
+        from rollout.tools.env import ToolEnv
+
+        mt, r = self.cfg.rollout.multi_turn, self.cfg.rollout
+        if getattr(self, "_tools", None) is None:
+            self._tools = self._tool_registry()
+            self._pool = cf.ThreadPoolExecutor(mt.tool_workers, thread_name_prefix="tool")
+        limits = multiturn.TurnLimits(max_turns=mt.max_turns, max_tokens_per_turn=mt.max_tokens_per_turn or
+                                      r.max_tokens, max_context=mt.max_context,
+                                      deterministic=mt.deterministic)  # fmt: skip
+        params = dataclasses.replace(params, stop=(TOOL_CALL_END,))
+        groups = []
+        for i, p in zip(positions, prompts, strict=True):
+            users = [m for m in text_only(p.messages) if m.get("role") == "user"]
+            row = {"prompt": users[-1]["content"], "answer": p.ground_truth}
+            envs = [
+                ToolEnv(list(mt.tools), self._tools, max_turns=mt.max_turns,
+                        max_calls_per_turn=mt.max_calls_per_turn, system_prompt=mt.system_prompt)
+                for _ in range(n)
+            ]  # fmt: skip
+            messages = [env.reset(row) for env in envs][-1]  # every env is reset; their first messages agree
+            ids = multiturn.chat_prompt_ids(self.tokenizer, messages, envs[0].tools if mt.show_tools else ())
+            groups.append(
+                multiturn.EpisodeGroup(p.uid, tuple(ids), envs, params, (seed * 1_000_003 + i) % 2**31)
+            )
+        if r.backend == "vllm":
+            backend = multiturn.HistoryTurns(self.engine, detokenize=self.tokenizer.decode)
+        else:
+            backend = multiturn.NativeTurns(self.engine)
+        trajs = multiturn.run_episodes(backend, groups, self.tokenizer, limits, self._pool)
+        by_uid = {p.uid: p for p in prompts}
+        samples = []
+        for t in trajs:
+            p = by_uid[t.request_id]
+            extra = {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+                     "tool_malformed": t.malformed, "tool_seconds": t.tool_seconds,
+                     "sandbox_timeouts": t.sandbox_timeouts, "model_tokens": t.model_tokens,
+                     "env_tokens": t.env_tokens, "multi_turn_finish": t.finish_reason}  # fmt: skip
+            if t.env_error:
+                extra["env_error"] = t.env_error
+            samples.append(Sample(
+                uid=p.uid, prompt_ids=t.prompt_ids, response_ids=t.token_ids, rollout_logprobs=t.logprobs,
+                finish_reason="length" if t.finish_reason in ("length", "max_turns") else "stop",
+                adapter_version=min(t.adapter_versions) if t.adapter_versions else self.version,
+                text=self.tokenizer.decode(t.token_ids, skip_special_tokens=True),
+                ground_truth=p.ground_truth, extra=extra, response_mask=t.is_model, score_text=t.final_text,
+            ))  # fmt: skip
         return samples
 
     def _vision_config(self):
@@ -352,7 +445,7 @@ class RewardWorker:
     def score(self, samples: list[Sample], step: int = -1) -> list[Sample]:
         maybe_fail(self.cfg.trainer.fault_injection, self.cfg.output_dir, "reward.score", step)
         results = self.pool.score(
-            [s.text for s in samples],
+            [s.text if s.score_text is None else s.score_text for s in samples],
             [s.ground_truth for s in samples],
             timeout_s=self.cfg.reward.timeout_s,
             batch_timeout_s=self.cfg.reward.batch_timeout_s,

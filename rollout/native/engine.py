@@ -3,7 +3,9 @@
 What: `NativeEngine` implements rollout.engine.Engine for `MiniMaxM3ForCausalLM`; each `step()` is
 scheduler (rollout/native/scheduler.py) -> model runner (rollout/native/runner.py: one copy into
 persistent buffers, eager or a replayed CUDA graph) -> sampler (rollout/native/sampler.py), with
-optional DSpark speculation and images. `generate` = add requests, step until done.
+optional DSpark speculation and images. `generate` = add requests, step until done. Multi-turn:
+requests added with `park=True` keep each finished sample's KV pages; `continue_sequence` appends
+the environment's tokens and runs the next turn without re-prefilling the history; `release` ends it.
 Invariants: the engine adds nothing to the model's numbers (fp32 log-probs equal
 `model.token_logprobs`, NVFP4 caches equal `token_logprobs(kv_sim=True)`, whatever the batch);
 adapters swap in place between steps and every token records the version it was sampled under;
@@ -150,6 +152,7 @@ class NativeEngine:
         self._next_request = 0
         self._active: dict[str, int] = {}  # request id -> samples not finished yet
         self._groups: dict[str, Group] = {}  # request id -> its group, while in flight
+        self._parked: dict[tuple[str, int], Sequence] = {}  # (request id, sample) -> a finished turn
         self._stats = EngineStats(pages_total=max_pages)
         vision = getattr(model, "vision", None)
         self.vision_config = vision.config if vision is not None else None
@@ -182,20 +185,25 @@ class NativeEngine:
                                   compile_decode=compile_decode)  # fmt: skip
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request, on_token: TokenCallback | None = None) -> str:
+    def add_request(self, request: Request, on_token: TokenCallback | None = None, park: bool = False) -> str:
         """Validate and queue one request (n sequences); returns its request id. `on_token(
-        sample_index, token_id, logprob)` is called after every token sampled for it (streaming)."""
+        sample_index, token_id, logprob)` is called after every token sampled for it (streaming).
+        `park`: each finished sample keeps its KV pages for a next turn (`continue_sequence`) until
+        `release` (multi-turn rollouts)."""
         self.validate(request)
         cfg, p = self.config, request.params
         request_id = request.request_id or f"req-{self._next_request}"
-        if request_id in self._active:
+        if request_id in self._active or any(k[0] == request_id for k in self._parked):
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        if park and (request.images or self.proposer is not None):
+            raise ValueError("park=True (multi-turn) does not support images or DSpark speculation yet: "
+                             "send a text request to an engine without a drafter")  # fmt: skip
         self._next_request += 1
         self._active[request_id] = request.n
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos and cfg.eos_token_id is not None:
             stop_ids.add(cfg.eos_token_id)
-        group = Group(request, request_id, time.perf_counter(), frozenset(stop_ids), on_token)
+        group = Group(request, request_id, time.perf_counter(), frozenset(stop_ids), on_token, park=park)
         if request.images:
             group.images = RequestImages.of(
                 request.prompt_token_ids, request.images, self.vision_config.image_token_id
@@ -245,7 +253,57 @@ class NativeEngine:
                              f"has {self.scheduler.allocator.num_pages}")  # fmt: skip
 
     def has_unfinished(self) -> bool:
+        """Sequences queued or running (parked ones wait for `continue_sequence` and do not count)."""
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ multi-turn
+    def continue_sequence(self, request_id: str, sample_index: int, append_ids: list[int] | tuple[int, ...],
+                          max_tokens: int) -> None:  # fmt: skip
+        """Extend a parked sample (a finished turn of a `park` request) by `append_ids` (the
+        environment's tokens) and queue its next turn of up to `max_tokens` tokens, sampled with the
+        request's other parameters and the sample's own generator (its draws continue). The KV of
+        every earlier token is kept (unless pages ran short and it was evicted: then recomputed),
+        so only the last sampled token and `append_ids` are prefilled. The turn's Completion holds
+        the new turn's tokens only; its `prompt_token_ids` is the whole history before them."""
+        s = self._parked.get((request_id, sample_index))
+        if s is None:
+            raise ValueError(f"no parked sample {sample_index} of request {request_id!r} (it is running, was "
+                             "released, or its request was not added with park=True)")  # fmt: skip
+        cfg = self.config
+        ids = [int(t) for t in append_ids]
+        if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
+            raise ValueError(
+                f"append_ids must be in [0, {cfg.vocab_size}), got min {min(ids)} max {max(ids)}"
+            )
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        history = (*s.prompt, *s.output, *ids)
+        longest = min(len(history) + max_tokens, cfg.max_position_embeddings) - 1
+        if len(history) >= cfg.max_position_embeddings:
+            raise ValueError(f"the history has {len(history)} tokens, no room left in the model's "
+                             f"{cfg.max_position_embeddings} positions: end the trajectory")  # fmt: skip
+        if -(-longest // self.scheduler.page_size) > self.scheduler.allocator.num_pages:
+            raise ValueError(f"a sequence of up to {longest} cached tokens does not fit the cache's "
+                             f"{self.scheduler.allocator.num_pages} pages: lower max_tokens")  # fmt: skip
+        del self._parked[(request_id, sample_index)]
+        s.history, s.turn_max_tokens = history, max_tokens
+        s.output, s.logprobs, s.adapter_versions = [], [], []
+        s.finish_reason = s.stop_reason = None
+        s.first_token_t = None
+        self._active[request_id] = self._active.get(request_id, 0) + 1
+        self._groups[request_id] = s.group
+        self.scheduler.resume(s)
+
+    def release(self, request_id: str, sample_index: int) -> None:
+        """End a parked sample's trajectory: its pages go back to the cache."""
+        s = self._parked.pop((request_id, sample_index), None)
+        if s is None:
+            raise ValueError(f"no parked sample {sample_index} of request {request_id!r}")
+        self.scheduler.release_parked(s)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Every sample of every request, ordered by request then sample index."""
@@ -395,7 +453,7 @@ class NativeEngine:
             if ch.num_new != 1 or not ch.samples or not s.output:
                 continue  # prefill chunks and first tokens sample as usual
             # k drafts emit up to k + 1 tokens; the last position run is num_computed + k.
-            cap = min(self.proposer.num_verify, s.group.request.params.max_tokens - len(s.output) - 1,
+            cap = min(self.proposer.num_verify, s.max_tokens - len(s.output) - 1,
                       max_pos - 1 - s.num_computed)  # fmt: skip
             if cap > 0:
                 cands.append(ch)
@@ -490,7 +548,11 @@ class NativeEngine:
         return self._check_finished(s, tok)
 
     def _finish(self, s: Sequence, now: float) -> Completion:
-        self.scheduler.free(s)
+        if s.group.park:  # keeps its pages for the next turn (continue_sequence / release)
+            self.scheduler.park(s)
+            self._parked[(s.group.request_id, s.sample_index)] = s
+        else:
+            self.scheduler.free(s)
         self._active[s.group.request_id] -= 1
         if not self._active[s.group.request_id]:
             del self._active[s.group.request_id]
@@ -505,7 +567,7 @@ class NativeEngine:
             s.finish_reason, s.stop_reason = "stop", token
         elif p.stop and any(st in (text := self.detokenize(s.output)) for st in p.stop):
             s.finish_reason, s.stop_reason = "stop", next(st for st in p.stop if st in text)
-        elif len(s.output) >= p.max_tokens or s.num_tokens >= self.config.max_position_embeddings:
+        elif len(s.output) >= s.max_tokens or s.num_tokens >= self.config.max_position_embeddings:
             s.finish_reason = "length"
         return s.finish_reason is not None
 
@@ -514,7 +576,7 @@ class NativeEngine:
         return Completion(
             request_id=g.request_id,
             sample_index=s.sample_index,
-            prompt_token_ids=g.request.prompt_token_ids,
+            prompt_token_ids=tuple(s.prompt),
             token_ids=list(s.output),
             logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
             finish_reason=s.finish_reason,

@@ -1,5 +1,5 @@
 """Continuous-batching scheduler of the native engine: page allocation, chunked prefill, preemption by
-recomputation and prompt-prefix sharing. Pure Python bookkeeping, no model.
+recomputation, prompt-prefix sharing and parked multi-turn sequences. Pure Python bookkeeping, no model.
 
 What: `Scheduler.schedule()` picks, under a token budget, the chunk each sequence runs this step
 (one token when decoding, a prompt chunk when prefilling); pages of `page_size` (= the MSA block)
@@ -53,6 +53,13 @@ if TYPE_CHECKING:
 #
 # Prefix pages are keyed by adapter version: the engine forks with `share=False` when the adapter
 # changed while the leader was prefilling, so siblings never start from stale KV.
+#
+# Multi-turn (parked sequences): a finished turn of a `park` request leaves the running list with its
+# pages and cached length; the engine later extends its tokens (`Sequence.history`: every earlier turn
+# plus the environment's tokens) and `resume` queues it, so only the uncached tokens (the last sampled
+# token and the environment's) are prefilled. Parked and queued sequences' pages are the first to go
+# when pages are short (`_evict_idle`, before any running sequence is preempted, and also to admit a
+# waiting one): an evicted sequence recomputes its KV from its tokens, exactly like a preempted one.
 #
 # Invariant: a page with refcount > 1 is never written (checked in `_ensure_pages`).
 
@@ -111,6 +118,7 @@ class Group:
     on_token: TokenCallback | None = None
     sequences: list[Sequence] = field(default_factory=list)
     images: RequestImages | None = None  # the request's images and placeholder positions
+    park: bool = False  # finished samples keep their pages for a next turn (NativeEngine.continue_sequence)
 
 
 @dataclass
@@ -137,10 +145,18 @@ class Sequence:
     spec_accepted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Multi-turn: a continued sequence's tokens so far (every earlier turn and the environment's
+    # tokens; None = the request's prompt) and this turn's token limit (None = the request's).
+    history: tuple[int, ...] | None = None
+    turn_max_tokens: int | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:
-        return self.group.request.prompt_token_ids
+        return self.group.request.prompt_token_ids if self.history is None else self.history
+
+    @property
+    def max_tokens(self) -> int:
+        return self.group.request.params.max_tokens if self.turn_max_tokens is None else self.turn_max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +190,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []  # finished turns keeping their pages (multi-turn), oldest first
         self.num_preemptions = 0
         self.num_shared_pages = 0
 
@@ -227,6 +244,41 @@ class Scheduler:
         seq.block_table = []
         self.running.remove(seq)
 
+    # ------------------------------------------------------------------ multi-turn
+    def park(self, seq: Sequence) -> None:
+        """A finished turn leaves the running list but keeps its pages (and num_computed) for the
+        next turn. Parked pages are counted in use; `_evict_idle` takes them back when pages run short."""
+        self.running.remove(seq)
+        self.parked.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A parked sequence (its tokens already extended by the caller) queues for its next turn,
+        with whatever pages it still holds: only its uncached tokens run."""
+        self.parked.remove(seq)
+        self.waiting.append(seq)
+
+    def release_parked(self, seq: Sequence) -> None:
+        """The trajectory is over: a parked sequence gives its pages back."""
+        self.parked.remove(seq)
+        self.allocator.release(seq.block_table)
+        seq.block_table = []
+
+    def _evict_idle(self, keep: Sequence) -> bool:
+        """Free the pages of one sequence that is not running (newest parked first, then queued
+        sequences that still hold pages), so a running or admitted one can proceed; its KV will be
+        recomputed from its tokens (as a preemption's). False if there is none."""
+        idle = [s for s in reversed(self.parked) if s.block_table and s is not keep]
+        idle += [s for s in reversed(self.waiting) if s.block_table and s is not keep]
+        if not idle:
+            return False
+        victim = idle[0]
+        self.allocator.release(victim.block_table)
+        victim.block_table = []
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks (running sequences first, then admitted ones), pages allocated."""
@@ -238,6 +290,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             fits = self._ensure_pages(seq, seq.num_computed + n)
+            while not fits and self._evict_idle(seq):  # idle (parked / queued) pages go first
+                fits = self._ensure_pages(seq, seq.num_computed + n)
             while not fits:
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -255,7 +309,10 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._ensure_pages(seq, seq.num_computed + n):
+            fits = self._ensure_pages(seq, seq.num_computed + n)
+            while not fits and self._evict_idle(seq):  # admitting takes idle pages, never running ones
+                fits = self._ensure_pages(seq, seq.num_computed + n)
+            if not fits:
                 break
             self.waiting.popleft()
             self.running.append(seq)

@@ -56,7 +56,8 @@ class ToolEnv:
     def step(self, assistant_text: str) -> tuple[list[Message], float, bool, dict[str, Any]]:
         self.turns += 1
         content, calls, errors = parse_tool_calls(assistant_text, self.tools)
-        info: dict[str, Any] = {"tool_calls": len(calls), "tool_errors": len(errors), "turn": self.turns}
+        info: dict[str, Any] = {"tool_calls": len(calls), "tool_errors": len(errors),
+                                "malformed": len(errors), "turn": self.turns}  # fmt: skip
         if not calls and not errors:  # the final answer
             return [], score_math_dapo(content, self.truth)["score"], True, info
         if self.turns >= self.max_turns:

@@ -79,6 +79,16 @@ def _preexec(limits: Limits, drop_to: int | None):
     return apply
 
 
+# The CPU-time limit (soft = hard) ends a process by SIGKILL (SIGXCPU where the soft limit is lower);
+# nothing else in the sandbox sends SIGKILL to the child except the wall-time kill.
+_TIMEOUT_NOTES = ("error: wall-time limit of", "killed by signal SIGXCPU", "killed by signal SIGKILL")
+
+
+def is_timeout(result: str) -> bool:
+    """Whether a `run_python` result reports its wall-time or CPU-time limit (a sandbox timeout)."""
+    return any(note in result for note in _TIMEOUT_NOTES)
+
+
 def run_python(code: str, limits: Limits = Limits()) -> str:
     """stdout+stderr of `code` (truncated), or an error message; never raises."""
     drop_to = _NOBODY if os.geteuid() == 0 else None

@@ -1,0 +1,211 @@
+"""Supervised warm-up that builds the `quickstart_tools` base: a `tiny` M3.1-architecture model that
+has seen the calculator's call format on a share of 3-digit x 2-digit products and answers the rest
+directly (which it cannot do reliably), stored with NVFP4 routed experts.
+
+Why: GRPO can only raise tool use it sometimes sees. The warm-up writes `tool_share` of its examples as
+a whole episode (prompt, an M3 `<tool_call>` of the calculator, the real tool reply, "Answer: <n>") and
+the others as a direct "Answer: <n>", both through the same renderer the rollouts use
+(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. With a 30% share
+the greedy policy answers directly (and is nearly always wrong) while sampling calls the tool about
+a third of the time: the reward variance GRPO needs. It runs `max_steps` steps (or until held-out
+greedy episode accuracy, measured with the real calculator through the native multi-turn driver,
+reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
+
+    python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import functools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import rollout.tools.calculator  # noqa: F401  (registers the calculator)
+from common.data import Prompt, arithmetic_dataset
+from common.tokenizer import ByteTokenizer, recorded_tokenizer, write_tokenizer_record
+from common.tool_calls import TOOL_CALL_END, ToolCall, render_tool_calls
+from model.checkpoint import load_model, save_model
+from model.config import ModelConfig, QuantConfig
+from model.convert import convert
+from model.modeling import MiniMaxM3ForCausalLM
+from rollout import multiturn
+from rollout.bases.warmup import quantized_copy, sft_update
+from rollout.engine import SamplingParams
+from rollout.tools.env import ToolEnv
+from rollout.tools.registry import REGISTRY
+
+INFO_FILE = "warmup.json"
+_say = functools.partial(print, flush=True)  # progress lines appear as they happen, even when piped
+DIGITS = (3, 2)
+MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 160, 512
+
+
+def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of one episode that calls the calculator: prompt, call (trained), tool reply
+    (not trained), "Answer: <result>" + EOS (trained). With `code`: a `python` call of that program
+    instead, its reply a placeholder (test bases that exercise the sandbox; nothing runs here)."""
+    prompt = multiturn.chat_prompt_ids(tok, p.messages)
+    expression = p.messages[-1]["content"].rstrip("=")
+    if code is None:
+        call = tok.encode(render_tool_calls([ToolCall("calculator", {"expression": expression})]), False)
+        result = REGISTRY.call("calculator", {"expression": expression})[0]
+        name = "calculator"
+    else:
+        call = tok.encode(render_tool_calls([ToolCall("python", {"code": code})]), False)
+        result, name = p.ground_truth, "python"
+    reply = multiturn.env_turn_ids(tok, [{"role": "tool", "name": name, "content": result}])
+    answer = [*tok.encode(f"Answer: {result}", add_special_tokens=False), tok.eos_token_id]
+    ids = prompt + call + reply + answer
+    return ids, [0] * len(prompt) + [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+
+
+def direct_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], list[int]]:
+    prompt = multiturn.chat_prompt_ids(tok, p.messages)
+    answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def batch(examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (inputs, targets, target loss mask)."""
+    T = max(len(ids) for ids, _ in examples) - 1
+    inp = torch.zeros(len(examples), T, dtype=torch.long)
+    tgt = torch.zeros_like(inp)
+    mask = torch.zeros(len(examples), T)
+    for b, (ids, m) in enumerate(examples):
+        n = len(ids) - 1
+        inp[b, :n], tgt[b, :n] = torch.tensor(ids[:-1]), torch.tensor(ids[1:])
+        mask[b, :n] = torch.tensor(m[1:], dtype=torch.float32)
+    return inp, tgt, mask
+
+
+@torch.no_grad()
+def episode_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt]) -> dict[str, float]:
+    """Greedy multi-turn episodes with the real calculator (native engine): accuracy and tool use."""
+    from rollout.native.engine import NativeEngine
+
+    tok = ByteTokenizer()
+    model.eval()
+    engine = NativeEngine(model, max_pages=40 * len(prompts), max_batch_tokens=4096,
+                          max_num_seqs=len(prompts), detokenize=tok.decode)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS, stop_token_ids=tok.stop_token_ids,
+                            stop=(TOOL_CALL_END,))  # fmt: skip
+    groups = []
+    for p in prompts:
+        env = ToolEnv(["calculator"], max_turns=MAX_TURNS)
+        env.reset({"prompt": p.messages[-1]["content"], "answer": p.ground_truth})
+        groups.append(multiturn.EpisodeGroup(p.uid, tuple(multiturn.chat_prompt_ids(tok, p.messages)),
+                                             [env], params, 0))  # fmt: skip
+    limits = multiturn.TurnLimits(MAX_TURNS, TURN_TOKENS, CONTEXT)
+    with cf.ThreadPoolExecutor(4) as pool:
+        trajs = multiturn.run_episodes(multiturn.NativeTurns(engine), groups, tok, limits, pool)
+    n = len(trajs)
+    return {"acc": sum(t.env_reward > 0 for t in trajs) / n,
+            "tool_use": sum(t.tool_calls + t.malformed > 0 for t in trajs) / n}  # fmt: skip
+
+
+def build_tools_base(
+    out: str | Path,
+    *,
+    tool_share: float = 0.3,
+    target_acc: float | None = None,
+    max_steps: int = 300,
+    eval_every: int = 100,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    num_train: int = 4096,
+    num_eval: int = 64,
+    python_codes: tuple[str, ...] = (),
+    device: str = "cpu",
+    log=_say,
+) -> dict:
+    """`python_codes`: half of the tool examples call `python` with one of these programs instead
+    (test bases whose rollouts exercise the sandbox)."""
+    out = Path(out)
+    torch.manual_seed(seed)
+    # As rollout/bases/warmup.py: float experts while training, K/V seen through the NVFP4 cache.
+    base_cfg = dataclasses.replace(ModelConfig.preset("tiny"), kv_cache_dtype="nvfp4")
+    float_cfg = dataclasses.replace(base_cfg, quantization=QuantConfig(routed_experts="bf16"))
+    model = MiniMaxM3ForCausalLM(float_cfg).init_weights(std=0.02, seed=seed).to(device)
+    model.requires_grad_(True)
+    tok = ByteTokenizer()
+    train = arithmetic_dataset(num_train, seed=0, ops=["*"], digits=DIGITS, split="train")
+    evals = arithmetic_dataset(num_eval, seed=0, ops=["*"], digits=DIGITS, split="eval")
+    gen = torch.Generator().manual_seed(seed)
+    is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
+    codes = [python_codes[i % len(python_codes)] if python_codes and i % 2 else None
+             for i in range(len(train))]  # fmt: skip
+    examples = [tool_example(tok, p, c) if t else direct_example(tok, p)
+                for p, t, c in zip(train, is_tool, codes, strict=True)]  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    t0, ev, step = time.perf_counter(), {"acc": 0.0, "tool_use": 0.0}, 0
+    for step in range(1, max_steps + 1):
+        model.train()
+        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
+        inp, tgt, mask = (t.to(device) for t in batch([examples[i] for i in idx]))
+        logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
+        loss = sft_update(model, opt, logp, mask)
+        if step % eval_every == 0:
+            ev = episode_accuracy(quantized_copy(model, base_cfg), evals)
+            took = time.perf_counter() - t0
+            log(f"tools warm-up step {step}: loss {loss.item():.3f}, held-out greedy episodes (NVFP4): "
+                f"acc {ev['acc']:.3f}, tool use {ev['tool_use']:.3f} ({took:.0f}s)")  # fmt: skip
+            if target_acc is not None and ev["acc"] >= target_acc:
+                break
+    with tempfile.TemporaryDirectory() as tmp:
+        model.requires_grad_(False)
+        save_model(model.eval(), Path(tmp) / "float")
+        staging = out.with_name(out.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        convert(Path(tmp) / "float", staging)
+    final = episode_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
+    info = {"steps": step, "eval": ev, "nvfp4": final, "seconds": time.perf_counter() - t0,
+            "tool_share": tool_share, "target_acc": target_acc, "digits": list(DIGITS)}  # fmt: skip
+    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
+    write_tokenizer_record(staging, "byte")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)  # the cache appears whole or not at all
+    log(f"tools warm-up done in {info['seconds']:.0f}s: held-out greedy episodes acc {final['acc']:.3f}, "
+        f"tool use {final['tool_use']:.3f} (NVFP4 experts, KV)")  # fmt: skip
+    return info
+
+
+def ensure_tools_base(path: str | Path, device: str = "cpu", log=_say) -> Path:
+    path = Path(path)
+    if (path / INFO_FILE).exists() and recorded_tokenizer(path) is not None:
+        return path
+    log(f"building the tools base at {path} (supervised warm-up, once; cached afterwards)")
+    build_tools_base(path, device=device, log=log)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rollout.bases.tools_warmup",
+                                description="Build the quickstart_tools base.")  # fmt: skip
+    p.add_argument("--out", default="runs/_cache/quickstart-tools-base")
+    p.add_argument("--tool-share", type=float, default=0.3)
+    p.add_argument("--target-acc", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    build_tools_base(args.out, tool_share=args.tool_share, target_acc=args.target_acc,
+                     max_steps=args.max_steps, eval_every=args.eval_every, batch_size=args.batch_size,
+                     lr=args.lr, seed=args.seed)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
