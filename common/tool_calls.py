@@ -367,7 +367,7 @@ def parse_tool_calls(
                 resync = text.find(INVOKE_END, pos + 1)
                 pos = len(text) if resync < 0 else resync + len(INVOKE_END)
         elif in_block:
-            nxt = text.find(NS, pos)
+            nxt = text.find(NS, pos + 1)  # past this marker: a tag it does not begin must not stall
             errors.append(
                 ToolCallError(f"unexpected text inside the tool-call block: {text[pos : pos + 40]!r}")
             )
