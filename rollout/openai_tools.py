@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.tool_calls import (
+    MAX_DEPTH,
     TOOL_CALL_END,
     TOOL_CALL_START,
     parse_tool_calls,
@@ -146,6 +147,17 @@ def check_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) 
     return ToolPlan(tuple(tools), "named", fn["name"], parallel)
 
 
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a hostile value may be deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict | list) and d <= MAX_DEPTH:
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
 def _check_calls(i: int, calls: Any) -> set[str]:
     """An assistant message's `tool_calls` (OpenAI form, arguments a JSON object's text); their ids."""
     where = f"messages[{i}].tool_calls"
@@ -171,6 +183,10 @@ def _check_calls(i: int, calls: Any) -> set[str]:
             value = json.loads(args or "{}")
         except ValueError as e:
             raise _bad(f"{where}[{j}].function.arguments is not valid JSON ({e})") from None
+        except RecursionError:  # nested beyond the decoder's stack
+            value = None
+        if value is None or _depth(value) > MAX_DEPTH:
+            raise _bad(f"{where}[{j}].function.arguments: nested deeper than {MAX_DEPTH} levels")
         if not isinstance(value, dict):
             raise _bad(f"{where}[{j}].function.arguments must be a JSON object, got {type(value).__name__}")
         ids.add(cid)
@@ -246,13 +262,20 @@ class ToolCallStream:
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent = plan, plan.opening, 0
+        self._start = -1  # where the first block starts, once seen
+        self._scanned = 0  # the text before this offset holds no block start
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        start = self.text.find(TOOL_CALL_START) if self.plan.parses else -1
-        safe = start if start >= 0 else len(self.text)
-        if self.plan.parses and start < 0:
-            safe -= _opening_tail(self.text, TOOL_CALL_START)
+        if not self.plan.parses:
+            safe = len(self.text)
+        else:
+            if self._start < 0:  # search only the new text (and a marker straddling its start)
+                self._start = self.text.find(TOOL_CALL_START, self._scanned)
+                self._scanned = max(0, len(self.text) - len(TOOL_CALL_START) + 1)
+            safe = self._start
+            if safe < 0:
+                safe = len(self.text) - _opening_tail(self.text, TOOL_CALL_START)
         out = self.text[self.sent : max(safe, self.sent)]
         self.sent += len(out)
         return out

@@ -236,6 +236,10 @@ BAD = [  # (fields of the body, words the 400 names)
     ({"messages": [U, _assistant_calls(_call(arguments="{a: 1"))]},
      ["messages[1].tool_calls[0].function.arguments", "not valid JSON"]),
     ({"messages": [U, _assistant_calls(_call(arguments="[1, 2]"))]}, ["function.arguments", "JSON object"]),
+    ({"messages": [U, _assistant_calls(_call(arguments='{"a": ' + "[" * 200 + "]" * 200 + "}"))]},
+     ["messages[1].tool_calls[0].function.arguments", "deeper than 128"]),
+    ({"messages": [U, _assistant_calls(_call(arguments="[" * 100_000 + "]" * 100_000))]},
+     ["messages[1].tool_calls[0].function.arguments", "deeper than 128"]),
     ({"messages": [U, _assistant_calls({**_call(), "function": {"name": "add", "arguments": {"a": 1}}})]},
      ["messages[1].tool_calls[0].function.arguments", "string"]),
     ({"messages": [U, _assistant_calls(_call(), _call())]}, ["messages[1].tool_calls[1].id", "unique"]),
@@ -322,3 +326,19 @@ def test_an_hf_template_renders_the_tools_and_history_and_one_without_tools_is_4
     assert refused.status_code == 400, refused.text[:300]
     assert "messages / tools: the chat template of tokenizer" in refused.json()["error"]["message"]
     assert "does not render tools" in refused.json()["error"]["message"]
+
+
+def test_the_readme_loop_sends_the_reply_message_and_tool_results_back(served):
+    client, _, tok = served
+    messages = _user("add 2 and 3")
+    reply = client.chat.completions.create(messages=messages, **GREEDY).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    messages.append(reply.message)  # the client's own message object, as OpenAI's docs do
+    for call, result in zip(reply.message.tool_calls, ("5", "2")):
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    ids_please = {"return_token_ids": True}
+    out = client.chat.completions.create(messages=messages, max_tokens=2, extra_body=ids_please, **GREEDY)
+    history = [*_user("add 2 and 3"),
+               {"role": "assistant", "content": "Let me add.\n", "tool_calls": CALLS["add 2 and 3"]},
+               {"role": "tool", "content": "5"}, {"role": "tool", "content": "2"}]  # fmt: skip
+    assert out.model_extra["prompt_token_ids"] == tok.encode(render_plain_chat(history, TOOLS))
