@@ -5,9 +5,11 @@ What: `load_tokenizer(spec)` ("byte" or a local Hugging Face directory) returns 
 special ids and `vocab_size`; `tokenizer_for(checkpoint, adapter)` finds the one a checkpoint or
 an exported adapter records, so serving needs no flag. Why a byte tokenizer: the tiny presets have
 no trained one; UTF-8 bytes need none (ids: 0 pad, 1 bos, 2 eos, 3 + byte; 259 in all).
-Invariant: a chat's prompt ids are `chat_prompt(messages)` everywhere (training, rollouts, serving).
-The plain template (byte tokenizer, or an HF tokenizer without one) drops roles and ends each
-message's content with a newline: [{"role": "user", "content": "12+35="}] -> "12+35=\n".
+Invariant: a chat's prompt ids are `chat_prompt(messages, tools)` everywhere (training, rollouts,
+serving). The plain template (byte tokenizer, or an HF tokenizer without one) drops roles and ends
+each message's content with a newline: [{"role": "user", "content": "12+35="}] -> "12+35=\n"; with
+tools, tool calls or tool results it is common/tool_calls.py's `render_plain_chat`. An HF template
+gets `tools=` only if it renders them (else a ValueError: tools must never vanish silently).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ _SPECIAL_TEXT = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>"}
 def plain_chat_template(messages: Sequence[Mapping[str, str]]) -> str:
     """Roles dropped, each message's content followed by one newline (see the module docstring)."""
     return "".join(f"{m['content']}\n" for m in messages)
+
+
+def _plain_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str:
+    # Imported here: common/tool_calls.py builds on plain_chat_template above, so a module-level
+    # import would be circular. Without tools it is byte-identical to plain_chat_template.
+    from common.tool_calls import render_plain_chat
+
+    return render_plain_chat(messages, tools)
 
 
 class ByteTokenizer:
@@ -66,12 +76,16 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return plain_chat_template(messages)
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        return _plain_chat(messages, tools)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
         """The prompt ids of a chat: bos + the plain template's bytes."""
-        return self.encode(self.apply_chat_template(messages))
+        return self.encode(self.apply_chat_template(messages, tools))
 
 
 class HFTokenizer:
@@ -101,16 +115,62 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def template_reads(self, name: str) -> bool:
+        """Whether the tokenizer's own chat template (the tool-use one, if it has several) reads
+        the variable or key `name` ("tools", "tool_calls"); the plain template reads both."""
         if not getattr(self.tok, "chat_template", None):
-            return plain_chat_template(messages)
-        return self.tok.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+            return True
+        try:
+            return name in self.tok.get_chat_template(tools=[])
+        except ValueError:  # several named templates and no default: apply_chat_template says so
+            return False
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        """The template's text (generation prompt added). Tool calls in assistant messages reach an
+        HF template with dict arguments (transformers' convention; OpenAI sends a JSON string).
+        ValueError for tools the template would drop or a chat the template refuses."""
+        if not getattr(self.tok, "chat_template", None):
+            return _plain_chat(messages, tools)
+        for name, used in (
+            ("tools", bool(tools)),
+            ("tool_calls", any(m.get("tool_calls") for m in messages)),
+        ):
+            if used and not self.template_reads(name):
+                raise ValueError(
+                    f"the chat template of tokenizer {self.name!r} does not render {name}; serve a "
+                    f"model whose template reads `{name}`, or send them as text"
+                )
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(
+                [_hf_message(m) for m in messages], tools=list(tools) or None, tokenize=False,
+                add_generation_prompt=True,
+            )  # fmt: skip
+        except TemplateError as e:  # the template's raise_exception: a chat it does not accept
+            raise ValueError(f"the chat template refuses this chat: {e}") from None
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
         """The prompt ids of a chat: the rendered template, encoded (bos added once)."""
-        return self.encode(self.apply_chat_template(messages))
+        return self.encode(self.apply_chat_template(messages, tools))
+
+
+def _hf_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """`message` for an HF template: tool-call arguments decoded from JSON text to a dict."""
+    out = dict(message)
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            fn = dict(call.get("function", {}))
+            if isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.loads(fn["arguments"] or "{}")
+            calls.append({**call, "function": fn})
+        out["tool_calls"] = calls
+    return out
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

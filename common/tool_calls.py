@@ -100,6 +100,16 @@ def render_tool_calls(calls: Sequence[ToolCall | Mapping[str, Any]]) -> str:
     return "".join(parts)
 
 
+def render_call_opening(name: str | None = None) -> str:
+    """The text every rendered call block begins with, up to the tool's name (`name` None) or past
+    it: what a server appends to the prompt to make the model call a tool (the named one)."""
+    if name is None:
+        return f"{TOOL_CALL_START}\n{INVOKE_START}"
+    if not name.strip() or any(c in name for c in "\"'>") or NS in name:
+        raise ValueError(f"tool name {name!r} must be non-empty, without quotes, '>' or {NS!r}")
+    return f'{TOOL_CALL_START}\n{INVOKE_START}"{name}">\n'
+
+
 def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
     """The tools list (OpenAI form: {"type": "function", "function": {...}}), one JSON per line."""
     lines = [json.dumps(t.get("function", t), ensure_ascii=False, separators=(",", ":")) for t in tools]
@@ -357,7 +367,7 @@ def parse_tool_calls(
                 resync = text.find(INVOKE_END, pos + 1)
                 pos = len(text) if resync < 0 else resync + len(INVOKE_END)
         elif in_block:
-            nxt = text.find(NS, pos)
+            nxt = text.find(NS, pos + 1)  # past this marker: a tag it does not begin must not stall
             errors.append(
                 ToolCallError(f"unexpected text inside the tool-call block: {text[pos : pos + 40]!r}")
             )

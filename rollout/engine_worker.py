@@ -4,6 +4,8 @@ turns sampled ids into text and ends samples at their stop strings.
 Why a thread: the engine is not thread-safe and `step()` blocks; HTTP handlers post work to this
 thread and get events back through a thread-safe callback. Stop strings are matched here
 (rollout/text_stream.py, cost per token independent of their number), so the engine sees only ids.
+A stop string in a request's `kept` set ends its sample with the string kept in the text (the
+end of a tool-call block, which the reply's parser needs); other stop strings are cut off.
 Invariants: a request fails alone when its own text handling raises; a failing `step()` drops the
 requests in flight (500 each) and the engine keeps serving if it can `abort` them, else the worker
 is marked broken (`health()` says why, new requests get 503); at most `max_pending` requests are in
@@ -48,7 +50,7 @@ class SampleResult:
     index: int
     token_ids: list[int]
     logprobs: list[float]
-    text: str  # cut before the stop string that ended it, if one did
+    text: str  # cut before the stop string that ended it, if one did (after it, for a kept one)
     finish_reason: str  # "stop" | "length"
     stop_reason: int | str | None  # the stop token id or stop string, if any
 
@@ -75,7 +77,12 @@ class _Job:
     samples: list[_Sample]
     emit: Emit
     stream: bool
+    kept: frozenset[str] = frozenset()  # stop strings kept in the text (the rest are cut off)
     error: Exception | None = None  # set when this request's own handling raised
+
+    def _cut(self, match: tuple[int, str]) -> int:
+        start, stop = match
+        return start + len(stop) if stop in self.kept else start
 
     def on_token(self, index: int, token_id: int, logprob: float) -> bool:
         """Record one sampled token; True if it ended the sample at a stop string."""
@@ -86,7 +93,7 @@ class _Job:
         s.logprobs.append(logprob)
         match = s.stops.feed(s.detok.push(token_id))
         if match is not None:
-            self._finished(s.finish("stop", match[1], cut=match[0]))
+            self._finished(s.finish("stop", match[1], cut=self._cut(match)))
             return True
         if self.stream:
             safe = len(s.detok.text) - s.stops.pending
@@ -102,7 +109,7 @@ class _Job:
         s.token_ids, s.logprobs = list(c.token_ids), c.logprobs.tolist()
         match = s.stops.feed(s.detok.flush())
         if match is not None:
-            self._finished(s.finish("stop", match[1], cut=match[0]))
+            self._finished(s.finish("stop", match[1], cut=self._cut(match)))
         else:
             self._finished(s.finish(c.finish_reason, c.stop_reason))
 
@@ -142,8 +149,10 @@ class EngineWorker:
             return "the engine thread has stopped"
         return self.broken
 
-    def submit(self, request: Request, stops: tuple[str, ...], emit: Emit, stream: bool) -> None:
-        """Queue `request` (its request_id set by the caller); raises Busy or Broken at once."""
+    def submit(self, request: Request, stops: tuple[str, ...], emit: Emit, stream: bool,
+               kept: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """Queue `request` (its request_id set by the caller); raises Busy or Broken at once. `kept`:
+        more stop strings, kept in the text when they end a sample."""
         problem = self.health()
         if problem is not None:
             raise Broken(problem)
@@ -151,9 +160,9 @@ class EngineWorker:
             if self._in_flight >= self.max_pending:
                 raise Busy(f"{self._in_flight} requests in flight (the server's max_pending)")
             self._in_flight += 1
-        stop = StopMatcher(stops)  # one automaton per request, one matcher state per sample
+        stop = StopMatcher(stops + kept)  # one automaton per request, one matcher state per sample
         samples = [_Sample(i, IncrementalDetokenizer(self.decode), stop.fresh()) for i in range(request.n)]
-        job = _Job(request.request_id, samples, emit, stream)
+        job = _Job(request.request_id, samples, emit, stream, frozenset(kept))
         self._post(lambda: self._add(request, job))
 
     def abort(self, request_id: str) -> None:

@@ -104,6 +104,9 @@ class ChatBody(_Body):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    tools: Any = None  # checked by rollout/openai_tools.py, whose messages name the field
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def check_text(field: str, text: str) -> str:
@@ -122,16 +125,22 @@ def check_text(field: str, text: str) -> str:
 
 def chat_messages(raw: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
     """Checked messages and whether any holds an image part. Content is a string or a list of
-    text / image_url parts; a list of text parts only is joined into a string (the text path)."""
+    text / image_url parts; a list of text parts only is joined into a string (the text path); an
+    assistant message with `tool_calls` may have none (null: ""). rollout/openai_tools.py checks
+    the tool calls and tool messages."""
     if not raw:
         raise OpenAIError(400, "messages is empty")
     messages, has_images = [], False
     shape = "{'type': 'text', 'text': str} or {'type': 'image_url', 'image_url': {'url': str}}"
     for i, m in enumerate(raw):
+        if m.get("content") is None and m.get("tool_calls") is not None:
+            m = {**m, "content": ""}
         content = m.get("content")
         if not isinstance(m.get("role"), str) or not isinstance(content, str | list):
             raise OpenAIError(
-                400, "every message needs string 'role' and 'content' (a string or a list of content parts)"
+                400,
+                f"messages[{i}]: every message needs string 'role' and 'content' (a string or a list of "
+                "content parts; null only beside an assistant's tool_calls)",
             )
         check_text(f"messages[{i}].role", m["role"])
         if isinstance(content, list):
@@ -246,18 +255,21 @@ def finite(lp: float) -> float | None:
 
 
 def choice_body(
-    r: SampleResult, body: _Body, chat: bool, decode_one, prompt_ids: list[int]
+    r: SampleResult, body: _Body, chat: bool, decode_one, prompt_ids: list[int], reply=None
 ) -> dict[str, Any]:
-    """One non-streamed choice (`token_ids` always, as vLLM's `return_token_ids` gives them)."""
+    """One non-streamed choice (`token_ids` always, as vLLM's `return_token_ids` gives them). A
+    chat choice's message and finish reason are `reply`'s (rollout/openai_tools.ToolReply) if given."""
     choice: dict[str, Any] = {
         "index": r.index,
-        "finish_reason": r.finish_reason,
+        "finish_reason": r.finish_reason if reply is None else reply.finish_reason,
         "stop_reason": r.stop_reason,
         "token_ids": r.token_ids,
     }
     lps = [finite(x) for x in r.logprobs]
     if chat:
-        choice["message"] = {"role": "assistant", "content": r.text}
+        choice["message"] = {"role": "assistant", "content": r.text if reply is None else reply.content}
+        if reply is not None and reply.tool_calls:
+            choice["message"]["tool_calls"] = reply.tool_calls
         if body.logprobs:
             content = [
                 {"token": decode_one(t), "logprob": lp, "top_logprobs": []} for t, lp in zip(r.token_ids, lps)
@@ -281,14 +293,16 @@ def response_body(
     results: list[SampleResult],
     prompt_ids: list[int],
     decode_one,
+    replies: list | None = None,
 ) -> dict[str, Any]:
     gen = sum(len(r.token_ids) for r in results)
+    replies = replies or [None] * len(results)
     out = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": body.model,
-        "choices": [choice_body(r, body, chat, decode_one, prompt_ids) for r in results],
+        "choices": [choice_body(r, body, chat, decode_one, prompt_ids, q) for r, q in zip(results, replies)],
         "usage": {
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": gen,
@@ -301,11 +315,17 @@ def response_body(
 
 
 def chunk_body(
-    rid: str, created: int, body: _Body, chat: bool, index: int, delta: str, finish: str | None, first: bool
-) -> dict[str, Any]:
-    """One streamed chunk: a choice's new text (and its finish reason on the last)."""
+    rid: str, created: int, body: _Body, chat: bool, index: int, delta: str, finish: str | None, first: bool,
+    tool_calls: list[dict[str, Any]] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk: a choice's new text (and its finish reason on the last), or its tool
+    calls (each whole, with its position as `index`, as OpenAI's deltas number them)."""
     if chat:
-        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+        d: dict[str, Any] = {"role": "assistant"} if first else {}
+        if tool_calls:
+            d["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+        else:
+            d["content"] = delta
         choice = {"index": index, "delta": d, "finish_reason": finish}
     else:
         choice = {"index": index, "text": delta, "finish_reason": finish}

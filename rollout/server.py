@@ -1,12 +1,13 @@
 """OpenAI-compatible HTTP server over a rollout engine (serving exported adapters).
 
-What: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both with `stream`) and `/health`,
-over one engine owned by one thread (rollout/engine_worker.py); the wire format and every admission
-check are in rollout/openai_api.py. Each handler below is a module-level function reading the app's
-`ServeState`. Hostile clients: a disconnected client's request is aborted before the next step;
-at most `max_pending` requests are in flight (then 429); half-sent headers or bodies time out;
-`--api-key` (or ROLLOUT_API_KEY) guards every route but `/health`; local image files are read only
-under `--allowed-local-media` directories. Run: `python -m rollout.serve --preset tiny` or
+What: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both with `stream`; chat with OpenAI
+tools, rollout/openai_tools.py) and `/health`, over one engine owned by one thread
+(rollout/engine_worker.py); the wire format and every admission check are in rollout/openai_api.py.
+Each handler below is a module-level function reading the app's `ServeState`. Hostile clients: a
+disconnected client's request is aborted before the next step; at most `max_pending` requests are
+in flight (then 429); half-sent headers or bodies time out; `--api-key` (or ROLLOUT_API_KEY) guards
+every route but `/health`; local image files are read only under `--allowed-local-media`
+directories. Run: `python -m rollout.serve --preset tiny` or
 `--model CKPT [--adapter DIR]` (the tokenizer is the one they record).
 """
 
@@ -50,6 +51,14 @@ from rollout.openai_api import (
     error_json,
     response_body,
 )
+from rollout.openai_tools import (
+    NO_TOOLS,
+    ToolCallStream,
+    ToolPlan,
+    check_tool_messages,
+    check_tools,
+    reply_for,
+)
 
 API_KEY_ENV = "ROLLOUT_API_KEY"
 
@@ -78,9 +87,16 @@ def completion_prompt_ids(body: CompletionBody, tokenizer: Tokenizer) -> list[in
     return list(body.prompt)
 
 
-def chat_prompt_ids(messages: list[dict[str, Any]], tokenizer: Tokenizer) -> list[int]:
-    """The prompt ids of a text chat: exactly what the trainer feeds (common/tokenizer.py)."""
-    return tokenizer.chat_prompt(messages)
+def chat_prompt_ids(
+    messages: list[dict[str, Any]], tokenizer: Tokenizer, plan: ToolPlan = NO_TOOLS
+) -> list[int]:
+    """The prompt ids of a text chat: exactly what the trainer feeds (common/tokenizer.py), then the
+    opening of a call when `tool_choice` forces one."""
+    try:
+        ids = tokenizer.chat_prompt(messages, plan.tools)
+    except ValueError as e:  # tools a template cannot render, a chat it refuses
+        raise OpenAIError(400, f"messages / tools: {e}") from None
+    return ids + (tokenizer.encode(plan.opening, add_special_tokens=False) if plan.opening else [])
 
 
 def local_image_parts(messages: list[dict[str, Any]], allowed: tuple[Path, ...]) -> list[dict[str, Any]]:
@@ -169,14 +185,18 @@ async def completions(body: CompletionBody, http: HTTPRequest):
 
 async def chat_completions(body: ChatBody, http: HTTPRequest):
     state: ServeState = http.app.state.serve
+    plan = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages, has_images = chat_messages(body.messages)
+    has_tool_turns = check_tool_messages(messages)
     images: tuple = ()
     if has_images:
+        if plan.tools or has_tool_turns:
+            raise OpenAIError(400, "tools and tool messages are served for text chats only: drop the images")
         ids, images = await image_chat_ids(state, messages)
     else:
-        ids = chat_prompt_ids(messages, state.tokenizer)
+        ids = chat_prompt_ids(messages, state.tokenizer, plan)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await generate(state, http, body, ids, max_tokens, chat=True, images=images)
+    return await generate(state, http, body, ids, max_tokens, chat=True, images=images, plan=plan)
 
 
 def check_model(state: ServeState, name: str) -> None:
@@ -195,12 +215,13 @@ async def generate(
     max_tokens: int | None,
     chat: bool,
     images: tuple = (),
+    plan: ToolPlan = NO_TOOLS,
 ):
     check_model(state, body.model)
     eos = tuple(getattr(state.tokenizer, "stop_token_ids", ()))
     request, stops = admit(body, prompt_ids, max_tokens, state.limits, images, eos)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-    events = submit(state, dataclasses.replace(request, request_id=rid), stops, body.stream)
+    events = submit(state, dataclasses.replace(request, request_id=rid), stops, body.stream, plan.kept_stops)
     created = int(time.time())
     decode_one = lambda t: state.tokenizer.decode([t])
     first = await next_event(state, http, rid, events)  # request errors become 4xx before any byte
@@ -208,18 +229,21 @@ async def generate(
         while first[0] != "done":
             first = await next_event(state, http, rid, events)
         prompt_ids = list(request.prompt_token_ids)
-        return response_body(rid, created, body, chat, first[1], prompt_ids, decode_one)
-    chunks = stream_events(state, rid, body, chat, first, events, created)
+        results = first[1]
+        replies = [reply_for(plan.opening + r.text, r.finish_reason, plan) for r in results] if chat else None
+        return response_body(rid, created, body, chat, results, prompt_ids, decode_one, replies)
+    chunks = stream_events(state, rid, body, chat, first, events, created, plan)
     return StreamingResponse(chunks, media_type="text/event-stream")
 
 
-def submit(state: ServeState, request: Request, stops: tuple[str, ...], stream: bool) -> asyncio.Queue:
+def submit(state: ServeState, request: Request, stops: tuple[str, ...], stream: bool,
+           kept: tuple[str, ...] = ()) -> asyncio.Queue:  # fmt: skip
     """Hand `request` to the worker; its events arrive on the returned queue."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     emit = lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
     try:
-        state.worker.submit(request, stops, emit, stream)
+        state.worker.submit(request, stops, emit, stream, kept)
     except Busy as e:
         raise OpenAIError(429, f"server busy: {e}; retry later", "rate_limit_error") from None
     except Broken as e:
@@ -253,19 +277,36 @@ async def _disconnected(http: HTTPRequest) -> None:
 
 
 async def stream_events(state: ServeState, rid: str, body: _Body, chat: bool, first: tuple,
-                        events: asyncio.Queue, created: int):  # fmt: skip
+                        events: asyncio.Queue, created: int, plan: ToolPlan = NO_TOOLS):  # fmt: skip
     """SSE chunks from `first` on; the request is aborted if the client leaves before the end
     (starlette cancels this generator then). An error after the headers went out is sent as an
-    error event."""
+    error event. A chat choice's text goes through its ToolCallStream: content as it is safe to
+    send, tool calls when the sample ends."""
     finished, started, ev = False, set(), first
+    assemblers: dict[int, ToolCallStream] = {}
+
+    def chunk(index: int, text: str, finish: str | None, calls=()) -> str:
+        out = chunk_body(rid, created, body, chat, index, text, finish, index not in started, calls)
+        started.add(index)
+        return _sse(out)
+
     try:
         while True:
             if ev[0] == "delta":
                 _, index, text, finish = ev
+                if chat:
+                    stream = assemblers.setdefault(index, ToolCallStream(plan))
+                    text = stream.feed(text)
+                    if finish is not None:
+                        rest, reply = stream.finish(finish)
+                        text, finish = text + rest, reply.finish_reason
+                        if reply.tool_calls:
+                            if text:
+                                yield chunk(index, text, None)
+                            yield chunk(index, "", None, reply.tool_calls)
+                            text = ""
                 if text or finish is not None:
-                    chunk = chunk_body(rid, created, body, chat, index, text, finish, index not in started)
-                    yield _sse(chunk)
-                    started.add(index)
+                    yield chunk(index, text, finish)
             elif ev[0] == "error":
                 finished = True
                 kind = "server_error" if ev[1] >= 500 else "invalid_request_error"

@@ -64,3 +64,59 @@ def test_hf_record_saves_the_tokenizer_files_beside_the_checkpoint(tmp_path):
     assert tok.encode("a", add_special_tokens=False) == load_tokenizer(str(src)).encode(
         "a", add_special_tokens=False
     )
+
+
+# ------------------------------------------------------------------ tools
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "2+3?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "5"},
+]  # fmt: skip
+TOOL_TEMPLATE = (
+    "{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "({{ c.function.name }} a={{ c.function.arguments.a }}){% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_byte_chat_prompt_with_tools_is_the_plain_tool_template():
+    from common.tool_calls import render_plain_chat
+
+    tok = ByteTokenizer()
+    assert tok.apply_chat_template(TOOL_CHAT, TOOLS) == render_plain_chat(TOOL_CHAT, TOOLS)
+    assert tok.chat_prompt(TOOL_CHAT, TOOLS) == tok.encode(render_plain_chat(TOOL_CHAT, TOOLS))
+    assert tok.chat_prompt(CHATS[1], ()) == tok.chat_prompt(CHATS[1])  # no tools: the plain template
+
+
+def _word_level(tmp_path, template: str | None):
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "a": 2}, unk_token="a"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path)
+    return load_tokenizer(str(tmp_path))
+
+
+def test_hf_template_gets_tools_and_tool_calls_with_dict_arguments(tmp_path):
+    tok = _word_level(tmp_path, TOOL_TEMPLATE)
+    assert (
+        tok.apply_chat_template(TOOL_CHAT, TOOLS) == "[add;]<user>2+3?<assistant>(add a=2)<tool>5<assistant>"
+    )
+
+
+def test_hf_template_that_does_not_read_tools_refuses_them_and_no_template_is_the_plain_one(tmp_path):
+    from common.tool_calls import render_plain_chat
+
+    tok = _word_level(tmp_path / "t", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tok.apply_chat_template(CHATS[0]) == "12+35="
+    with pytest.raises(ValueError, match="does not render tools"):
+        tok.apply_chat_template(CHATS[0], TOOLS)
+    with pytest.raises(ValueError, match="does not render tool_calls"):
+        tok.apply_chat_template(TOOL_CHAT)
+    plain = _word_level(tmp_path / "p", None)
+    assert plain.apply_chat_template(TOOL_CHAT, TOOLS) == render_plain_chat(TOOL_CHAT, TOOLS)

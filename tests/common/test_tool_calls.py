@@ -147,3 +147,13 @@ def test_plain_chat_without_tools_is_byte_identical_and_with_tools_concatenates_
         + f"{NS}<tool_response>4{NS}</tool_response>\n"
     )
     assert text.count("\n" + plain_chat_template(chat)) == 1
+
+
+def test_a_block_cut_inside_a_tag_is_an_error_not_a_hang():
+    # A sample cut by max_tokens can end anywhere, e.g. inside the closing tag: "...NS</tool_".
+    text = render_tool_calls([ToolCall("f", {"i": 1})])
+    for cut in range(len(TOOL_CALL_START), len(text)):
+        _, calls, errors = parse_tool_calls(text[:cut], TOOLS)
+        assert errors and len(calls) <= 1
+    _, calls, errors = parse_tool_calls(f"{TOOL_CALL_START}{NS}<other>{NS}</tool_", TOOLS)
+    assert calls == [] and "unexpected text" in errors[0].message

@@ -475,3 +475,38 @@ def test_half_sent_headers_and_bodies_time_out(tiny):
         assert head.startswith(b"HTTP/1.1 408"), reply[:300]
         assert "not received within 1 s" in _strict_json(payload.decode())["error"]["message"]
         _serves(url)
+
+
+# ------------------------------------------------------------------------------- tool calls
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "object"}}}}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "tool_choice", ["auto", "required", {"type": "function", "function": {"name": "add"}}]
+)
+def test_a_random_models_tool_calls_come_back_as_content_never_a_500(server, tool_choice, stream):
+    """The random model writes no well-formed call after the forced opening: its text is the reply's
+    content (opening included), for many seeds and lengths, streamed and not."""
+    from common.tool_calls import render_call_opening
+
+    url, _, _ = server
+    name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    opening = "" if tool_choice == "auto" else render_call_opening(name)
+    for seed in range(4):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "add 2 and 3"}], "tools": TOOLS,
+                "tool_choice": tool_choice, "max_tokens": 4 + 9 * seed, "seed": seed,
+                "stream": stream}  # fmt: skip
+        r = _post(url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text[:500]
+        if stream:
+            events = [_strict_json(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+            finish = events[-1]["choices"][0]["finish_reason"]
+        else:
+            message = _strict_json(r.text)["choices"][0]["message"]
+            content, finish = message["content"], _strict_json(r.text)["choices"][0]["finish_reason"]
+            assert "tool_calls" not in message
+        assert content.startswith(opening) and finish in ("stop", "length")
+    _serves(url)
