@@ -5,8 +5,9 @@ Per config (preset, batch): decode ms per step = (long run - short run) / (extra
 (prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
 decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s.
 Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
-CPU `static`, the same padded passes without capture), `compiled` (graphs of torch.compile'd passes). The peer (`MiniMaxM3VLForCausalLM.generate`,
-greedy, bf16 experts, dynamic and static cache) runs on the same weights when importable.
+CPU `static`, the same padded passes without capture), `compiled` (graphs of torch.compile'd passes).
+The peer (`MiniMaxM3VLForCausalLM.generate`, greedy, bf16 experts, dynamic and static cache) runs on the
+same weights when importable.
 
     python benchmarks/engine_gpu.py --json $OUT/engine_gpu.jsonl            # H200
     python benchmarks/engine_gpu.py --quick                                  # CPU smoke (tiny preset)
@@ -233,8 +234,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--modes", nargs="*", default=None,
-                    help="engine modes (default eager graphs compiled on CUDA, eager static on CPU)")
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        default=None,
+        help="engine modes (default eager graphs compiled on CUDA, eager static on CPU)",
+    )
     ap.add_argument("--breakdown", action="store_true", help="rows list the 25 most launched kernels")
     ap.add_argument(
         "--peer-m3", action="store_true", help="also run the peer at M3.1-Flash widths (bf16 experts)"
@@ -264,7 +269,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts_BS = torch.randint(3, model.config.vocab_size, (B, args.prompt_len), generator=gen)
         eager_tokens: list[list[int]] = []
-        modes = args.modes or (["eager", "graphs", "compiled"] if device.type == "cuda" else ["eager", "static"])
+        modes = args.modes or (
+            ["eager", "graphs", "compiled"] if device.type == "cuda" else ["eager", "static"]
+        )
         for mode in modes:
             try:
                 row, tokens = measure(model, preset, B, mode, prompts_BS, args, device, dtype, kv)
@@ -315,7 +322,8 @@ def main() -> None:
         floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
         over = f"{r['over_floor']:.1f}x" if "over_floor" in r else ""
         replay = f"{r['replay_ms']:.3f}" if r.get("replay_ms") is not None else ""
-        print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {replay} | {r['tok_s']:.0f} | "
+        print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {replay} | "
+              f"{r['tok_s']:.0f} | "
               f"{busy} | {floor} | {over} |")  # fmt: skip
 
 

@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.triton_common import e2m1_nibble_f32_x2p126, f32_to_bf16, safe_do_bench, use_hw_casts, opaque_to_compile
+from model.kernels.triton_common import (
+    e2m1_nibble_f32_x2p126,
+    f32_to_bf16,
+    opaque_to_compile,
+    safe_do_bench,
+    use_hw_casts,
+)
 from model.kernels.triton_moe import _launch, _parts, split_planes
 
 # Legend: T rows, N output features, K input features, BN / BK tile sizes, MR rows per program.

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
-    opaque_to_compile,
     dot_bf16,
     dot_f16,
     f32_to_bf16,
@@ -27,6 +26,7 @@ from model.kernels.triton_common import (
     load_nvfp4_tile_f16,
     load_nvfp4_tile_f16_v5,
     num_sms,
+    opaque_to_compile,
     safe_do_bench,
     use_hw_casts,
 )

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from model import nvfp4
-from model.kernels.triton_common import f32_to_e4m3, use_hw_casts, opaque_to_compile
+from model.kernels.triton_common import f32_to_e4m3, opaque_to_compile, use_hw_casts
 
 # Legend: T tokens, N heads, C head dim (multiple of 16), X = C/2 + C/16 stored bytes per row.
 # Addressing: slot -> (page = slot // page_size, offset = slot % page_size); head n's row lives at

@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
-    opaque_to_compile,
     E2M1_FP8_SHIFT,
     dot_bf16,
     e2m1_to_f32_x64,
     f32_to_bf16,
     num_sms,
+    opaque_to_compile,
     safe_do_bench,
     tune_class,
     use_hw_casts,

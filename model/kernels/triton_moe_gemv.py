@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from model.kernels.triton_common import (
-    opaque_to_compile,
     e2m1_nibble_f32_x2p126,
     f32_to_bf16,
+    opaque_to_compile,
     safe_do_bench,
     tune_class,
     use_hw_casts,

@@ -21,7 +21,6 @@ import triton.language as tl
 
 from model import nvfp4
 from model.kernels.triton_common import (
-    opaque_to_compile,
     dot_bf16,
     dot_f16,
     f32_to_bf16,
@@ -31,6 +30,7 @@ from model.kernels.triton_common import (
     load_nvfp4_tile_f16_v5,
     num_sms,
     nvfp4_tile_to_fp8,
+    opaque_to_compile,
     safe_do_bench,
     tune_class,
     use_hw_casts,

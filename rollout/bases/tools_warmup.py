@@ -46,7 +46,7 @@ from rollout.tools.registry import REGISTRY
 INFO_FILE = "warmup.json"
 _say = functools.partial(print, flush=True)  # progress lines appear as they happen, even when piped
 DIGITS = (3, 2)
-MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 160, 512
+MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 192, 512  # a calculator call of a 6-character expression is 171 bytes
 
 
 def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tuple[list[int], list[int]]:

@@ -146,8 +146,9 @@ def test_adapter_sync_under_graphs_takes_effect_at_the_next_step_without_recaptu
     engs = engines(model, fp32_cache=True)
     graphs = engs["graphs"]
     if compile_decode:
-        graphs = NativeEngine(model, cuda_graphs=True, compile_decode=True, max_pages=64, max_batch_tokens=128,
-                              max_num_seqs=16, kv_dtype="fp32", index_dtype="fp32")  # fmt: skip
+        graphs = NativeEngine(model, cuda_graphs=True, compile_decode=True, max_pages=64,
+                              max_batch_tokens=128, max_num_seqs=16, kv_dtype="fp32",
+                              index_dtype="fp32")  # fmt: skip
     graphs.generate(requests(n_prompts=3, max_tokens=4))  # captured before the swap
     captures = graphs.runner.num_captures
     swapped = _generate_with_swap(graphs, 6, new_norm)
