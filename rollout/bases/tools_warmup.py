@@ -125,11 +125,12 @@ def build_tools_base(
     num_train: int = 4096,
     num_eval: int = 64,
     python_codes: tuple[str, ...] = (),
+    python_share: float = 0.5,
     device: str = "cpu",
     log=_say,
 ) -> dict:
-    """`python_codes`: half of the tool examples call `python` with one of these programs instead
-    (test bases whose rollouts exercise the sandbox)."""
+    """`python_codes`: `python_share` of the tool examples call `python` with one of these programs
+    (in turn) instead of the calculator (test bases whose rollouts exercise the sandbox)."""
     out = Path(out)
     torch.manual_seed(seed)
     # As rollout/bases/warmup.py: float experts while training, K/V seen through the NVFP4 cache.
@@ -142,8 +143,9 @@ def build_tools_base(
     evals = arithmetic_dataset(num_eval, seed=0, ops=["*"], digits=DIGITS, split="eval")
     gen = torch.Generator().manual_seed(seed)
     is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
-    codes = [python_codes[i % len(python_codes)] if python_codes and i % 2 else None
-             for i in range(len(train))]  # fmt: skip
+    is_python = (torch.rand(len(train), generator=gen) < python_share).tolist() if python_codes else []
+    codes = [python_codes[i % len(python_codes)] if python_codes and py else None
+             for i, py in enumerate(is_python or [False] * len(train))]  # fmt: skip
     examples = [tool_example(tok, p, c) if t else direct_example(tok, p)
                 for p, t, c in zip(train, is_tool, codes, strict=True)]  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -80,13 +80,16 @@ def _preexec(limits: Limits, drop_to: int | None):
 
 
 # The CPU-time limit (soft = hard) ends a process by SIGKILL (SIGXCPU where the soft limit is lower);
-# nothing else in the sandbox sends SIGKILL to the child except the wall-time kill.
-_TIMEOUT_NOTES = ("error: wall-time limit of", "killed by signal SIGXCPU", "killed by signal SIGKILL")
+# nothing else in the sandbox sends SIGKILL to the child except the wall-time kill. Which of the two
+# limits fires first depends on the machine's load, so both give the same message: a trajectory (and a
+# resumed run) must not depend on timing.
+_TIMEOUT_SIGNALS = (signal.SIGXCPU, signal.SIGKILL)
+_TIMEOUT_NOTE = "error: time limit exceeded"
 
 
 def is_timeout(result: str) -> bool:
     """Whether a `run_python` result reports its wall-time or CPU-time limit (a sandbox timeout)."""
-    return any(note in result for note in _TIMEOUT_NOTES)
+    return _TIMEOUT_NOTE in result
 
 
 def run_python(code: str, limits: Limits = Limits()) -> str:
@@ -96,34 +99,38 @@ def run_python(code: str, limits: Limits = Limits()) -> str:
         with tempfile.TemporaryDirectory(prefix="sandbox-") as scratch:
             if drop_to is not None:
                 os.chown(scratch, drop_to, drop_to)
-            script = os.path.join(scratch, "main.py")
-            with open(script, "w") as f:
-                f.write(_GUARD + code)
-            cmd = [_INTERPRETER, "-I", "-S", script]
+            # The program comes in on stdin (`python -`), so tracebacks name "<stdin>", never the random
+            # scratch path: the same code gives the same reply on every run (resumed runs replay).
+            program = (_GUARD + code).encode("utf-8", errors="replace")
+            cmd = [_INTERPRETER, "-I", "-S", "-"]
             if _USE_UNSHARE:
                 cmd = [shutil.which("unshare"), "-rn", *cmd]
             proc = subprocess.Popen(
                 cmd,
                 cwd=scratch,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch},
                 start_new_session=True,
                 preexec_fn=_preexec(limits, drop_to),
             )
+            timeout_note = (f"\n{_TIMEOUT_NOTE} (CPU {limits.cpu_s} s, wall {limits.wall_s} s); "
+                            "the process was killed")  # fmt: skip
             try:
-                out, _ = proc.communicate(timeout=limits.wall_s)
+                out, _ = proc.communicate(program, timeout=limits.wall_s)
                 note = ""
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, _ = proc.communicate()
-                note = f"\nerror: wall-time limit of {limits.wall_s} s exceeded; the process was killed"
+                note = timeout_note
             with contextlib.suppress(ProcessLookupError):  # stragglers of the group (forked children)
                 os.killpg(proc.pid, signal.SIGKILL)
             text = out[: limits.output_bytes].decode("utf-8", errors="replace")
             if len(out) > limits.output_bytes:
                 text += f"\n[output truncated to {limits.output_bytes} bytes]"
+            if proc.returncode and not note and -proc.returncode in _TIMEOUT_SIGNALS:
+                note = timeout_note
             if proc.returncode and not note:
                 sig = -proc.returncode if proc.returncode < 0 else None
                 why = (

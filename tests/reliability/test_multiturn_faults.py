@@ -3,8 +3,8 @@ calls `python` with hostile programs (an endless loop, a 1 GB allocation, a sock
 outside its scratch directory, huge output) keeps the trainer running, the failures counted; a
 SIGKILLed driver resumes a multi-turn run with `resume=auto` to the same metrics, samples and adapter.
 
-The base is a tools warm-up (rollout/bases/tools_warmup.py) whose tool examples half call the
-calculator and half `python` with those programs, built once and cached in runs/_cache/.
+The base is a tools warm-up (rollout/bases/tools_warmup.py) whose examples all call `python` with
+those programs, built once and cached in runs/_cache/.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ RUN = (
     "trainer.eval_every=0", "trainer.save_every=1", "trainer.micro_batch_size=8", "tracking.mode=offline",
     "rollout.multi_turn.tools=[calculator,python]", "rollout.multi_turn.python_cpu_s=1",
     "rollout.multi_turn.python_wall_s=2", "rollout.multi_turn.max_turns=2",
+    # A `python` call of the longest hostile program is ~240 bytes: turns of 192 tokens would cut it.
+    "rollout.max_tokens=320", "rollout.multi_turn.max_context=1024",
+    # No program prints the answer, so every reward is -1: keep the groups (zero advantages) so the
+    # learner still steps on these trajectories and samples.jsonl shows them.
+    "algo.dynamic_sampling=false",
 )  # fmt: skip
 IGNORED = ("timing_s/", "perf/", "sync/seconds", "sync/engine", "faults/", "multi_turn/tool_seconds",
            "_runtime", "_timestamp")  # fmt: skip
@@ -51,9 +56,10 @@ IGNORED = ("timing_s/", "perf/", "sync/seconds", "sync/engine", "faults/", "mult
 @pytest.fixture(scope="module")
 def ray_local():
     if not (BASE / INFO_FILE).exists():
-        build_tools_base(
-            BASE, tool_share=0.7, max_steps=150, eval_every=10**9, num_eval=8, python_codes=HOSTILE
-        )
+        # Every example a `python` call of one of the programs: 150 steps of a calculator / python mix
+        # left sampled calls malformed (tags never closed), so no program reached the sandbox.
+        build_tools_base(BASE, tool_share=1.0, python_share=1.0, max_steps=300, eval_every=10**9, num_eval=8,
+                         python_codes=HOSTILE)  # fmt: skip
     from tests.conftest import start_local_ray
 
     start_local_ray(ray)
@@ -84,7 +90,8 @@ def test_hostile_sandboxed_code_is_counted_and_the_run_keeps_training(baseline):
     assert calls > 0, "the test base must call tools"
     assert sum(r["multi_turn/sandbox_timeouts"] for r in rows) > 0
     assert sum(r["multi_turn/tool_errors"] for r in rows) > 0
-    assert any(r.get("actor/pg_loss") for r in rows), "the run must train"
+    assert not any(r.get("actor/skipped_step") for r in rows), "the learner must step on every batch"
+    assert all(r["actor/grad_norm"] == r["actor/grad_norm"] for r in rows)  # finite: the update ran
     samples = (baseline / "samples.jsonl").read_text()
     assert "<tool_response>" in samples and "error:" in samples  # whole trajectories, tool replies in them
     assert not Path("/etc/sandbox-escape").exists()
