@@ -20,10 +20,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import functools
-import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,19 +28,17 @@ import torch
 
 import rollout.tools.calculator  # noqa: F401  (registers the calculator)
 from common.data import Prompt, arithmetic_dataset
-from common.tokenizer import ByteTokenizer, recorded_tokenizer, write_tokenizer_record
+from common.tokenizer import ByteTokenizer, recorded_tokenizer
 from common.tool_calls import TOOL_CALL_END, ToolCall, render_tool_calls
-from model.checkpoint import load_model, save_model
+from model.checkpoint import load_model
 from model.config import ModelConfig, QuantConfig
-from model.convert import convert
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout import multiturn
-from rollout.bases.warmup import quantized_copy, sft_update
+from rollout.bases.warmup import INFO_FILE, publish_base, quantized_copy, sft_step, stage_base
 from rollout.engine import SamplingParams
 from rollout.tools.env import ToolEnv
 from rollout.tools.registry import REGISTRY
 
-INFO_FILE = "warmup.json"
 _say = functools.partial(print, flush=True)  # progress lines appear as they happen, even when piped
 DIGITS = (3, 2)
 MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 192, 512  # a calculator call of a 6-character expression is 171 bytes
@@ -151,11 +146,7 @@ def build_tools_base(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     t0, ev, step = time.perf_counter(), {"acc": 0.0, "tool_use": 0.0}, 0
     for step in range(1, max_steps + 1):
-        model.train()
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        inp, tgt, mask = (t.to(device) for t in batch([examples[i] for i in idx]))
-        logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
-        loss = sft_update(model, opt, logp, mask)
+        loss = sft_step(model, opt, examples, batch, gen, batch_size, device)
         if step % eval_every == 0:
             ev = episode_accuracy(quantized_copy(model, base_cfg), evals)
             took = time.perf_counter() - t0
@@ -163,19 +154,11 @@ def build_tools_base(
                 f"acc {ev['acc']:.3f}, tool use {ev['tool_use']:.3f} ({took:.0f}s)")  # fmt: skip
             if target_acc is not None and ev["acc"] >= target_acc:
                 break
-    with tempfile.TemporaryDirectory() as tmp:
-        model.requires_grad_(False)
-        save_model(model.eval(), Path(tmp) / "float")
-        staging = out.with_name(out.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        convert(Path(tmp) / "float", staging)
+    staging = stage_base(model, out)
     final = episode_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
     info = {"steps": step, "eval": ev, "nvfp4": final, "seconds": time.perf_counter() - t0,
             "tool_share": tool_share, "target_acc": target_acc, "digits": list(DIGITS)}  # fmt: skip
-    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
-    write_tokenizer_record(staging, "byte")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)  # the cache appears whole or not at all
+    publish_base(staging, out, info)
     log(f"tools warm-up done in {info['seconds']:.0f}s: held-out greedy episodes acc {final['acc']:.3f}, "
         f"tool use {final['tool_use']:.3f} (NVFP4 experts, KV)")  # fmt: skip
     return info

@@ -66,6 +66,38 @@ def sft_update(model: torch.nn.Module, opt: torch.optim.Optimizer, logp: torch.T
     return loss
 
 
+def sft_step(model: MiniMaxM3ForCausalLM, opt: torch.optim.Optimizer, examples: list, collate,
+             gen: torch.Generator, batch_size: int, device: str) -> torch.Tensor:  # fmt: skip
+    """One warm-up step: `batch_size` examples drawn with `gen`, `collate` -> (inputs, targets, mask),
+    the NVFP4-KV-simulated forward, `sft_update`; the loss."""
+    model.train()
+    idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
+    inp, tgt, mask = (t.to(device) for t in collate([examples[i] for i in idx]))
+    logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
+    return sft_update(model, opt, logp, mask)
+
+
+def stage_base(model: MiniMaxM3ForCausalLM, out: Path, quantize: bool = True) -> Path:
+    """`model` written to `out`.tmp as the RL run will load it: saved in float, then converted
+    (routed experts quantized by model/convert.py) or, without routed experts, copied as is."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.requires_grad_(False)
+        save_model(model.eval(), Path(tmp) / "float")
+        staging = out.with_name(out.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        if quantize:
+            convert(Path(tmp) / "float", staging)
+        else:
+            shutil.copytree(Path(tmp) / "float", staging)
+    return staging
+
+
+def publish_base(staging: Path, out: Path, info: dict) -> None:
+    """The warm-up record and tokenizer record into `staging`, then `staging` renamed to `out`: the cache
+    appears whole or not at all."""
+    publish_base(staging, out, info)
+
+
 @torch.no_grad()
 def greedy_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt], max_tokens: int = 12) -> float:
     """Fraction of prompts whose greedy completion scores +1 under DAPO's rule (native engine)."""
@@ -141,11 +173,7 @@ def build_quickstart_base(
     gen = torch.Generator().manual_seed(seed)
     t0, acc, step = time.perf_counter(), 0.0, 0
     for step in range(1, max_steps + 1):
-        model.train()
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        inp, tgt, mask = (t.to(device) for t in sft_batch([examples[i] for i in idx]))
-        logp, _ = model.token_logprobs(inp, tgt, kv_sim=True)
-        loss = sft_update(model, opt, logp, mask)
+        loss = sft_step(model, opt, examples, sft_batch, gen, batch_size, device)
         if step % eval_every == 0:
             # Judge the model the RL run will get: experts in NVFP4, KV in NVFP4. A model this
             # small can lose all its accuracy to the two roundings together, so the float model's
@@ -155,15 +183,7 @@ def build_quickstart_base(
             if acc >= target_acc:
                 break
     # Quantize the routed experts exactly as the RL run will hold them: save float, convert.
-    with tempfile.TemporaryDirectory() as tmp:
-        model.requires_grad_(False)
-        save_model(model.eval(), Path(tmp) / "float")
-        staging = out.with_name(out.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        if has_experts:
-            convert(Path(tmp) / "float", staging)
-        else:
-            shutil.copytree(Path(tmp) / "float", staging)
+    staging = stage_base(model, out, quantize=has_experts)
     nvfp4_acc = greedy_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
     info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
             "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand,
