@@ -5,11 +5,13 @@ directly (which it cannot do reliably), stored with NVFP4 routed experts.
 Why: GRPO can only raise tool use it sometimes sees. The warm-up writes `tool_share` of its examples as
 a whole episode (prompt, an M3 `<tool_call>` of the calculator, the real tool reply, "Answer: <n>") and
 the others as a direct "Answer: <n>", both through the same renderer the rollouts use
-(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. With a 30% share
-the greedy policy answers directly (and is nearly always wrong) while sampling calls the tool about
-a third of the time: the reward variance GRPO needs. It runs `max_steps` steps (or until held-out
-greedy episode accuracy, measured with the real calculator through the native multi-turn driver,
-reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
+(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. A call helps only
+once the model copies the expression into it and the tool's result into its answer, which this model
+learns between steps 300 and 900 (at 300 steps every call copied wrongly: accuracy 0, no reward
+variance). With a 50% share and 900 steps the greedy policy calls the tool on about half the problems
+(held-out accuracy 0.375, tool use 0.48): the variance GRPO needs. It runs `max_steps` steps (or until
+held-out greedy episode accuracy, measured with the real calculator through the native multi-turn
+driver, reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
 
     python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base
 """
@@ -110,10 +112,10 @@ def episode_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt]) -> dict
 def build_tools_base(
     out: str | Path,
     *,
-    tool_share: float = 0.3,
+    tool_share: float = 0.5,
     target_acc: float | None = None,
-    max_steps: int = 300,
-    eval_every: int = 100,
+    max_steps: int = 900,
+    eval_every: int = 300,
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
@@ -177,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rollout.bases.tools_warmup",
                                 description="Build the quickstart_tools base.")  # fmt: skip
     p.add_argument("--out", default="runs/_cache/quickstart-tools-base")
-    p.add_argument("--tool-share", type=float, default=0.3)
+    p.add_argument("--tool-share", type=float, default=0.5)
     p.add_argument("--target-acc", type=float, default=None)
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--max-steps", type=int, default=900)
+    p.add_argument("--eval-every", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
