@@ -7,11 +7,11 @@ a whole episode (prompt, an M3 `<tool_call>` of the calculator, the real tool re
 the others as a direct "Answer: <n>", both through the same renderer the rollouts use
 (rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. A call helps only
 once the model copies the expression into it and the tool's result into its answer, which this model
-learns between steps 300 and 900 (at 300 steps every call copied wrongly: accuracy 0, no reward
-variance). With a 50% share and 900 steps the greedy policy calls the tool on about half the problems
-(held-out accuracy 0.375, tool use 0.48): the variance GRPO needs. It runs `max_steps` steps (or until
-held-out greedy episode accuracy, measured with the real calculator through the native multi-turn
-driver, reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
+may learn between steps 300 and 900 (at 300 steps every call copied wrongly: accuracy 0, no reward
+variance). Not robust yet: with a 50% share and 900 steps one build (1 torch thread) ended at held-out
+accuracy 0.375 and tool use 0.48, another (2 threads, same seed) at 0 and 0. It runs `max_steps`
+steps (or until held-out greedy episode accuracy, measured with the real calculator through the native
+multi-turn driver, reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
 
     python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base
 """

@@ -95,7 +95,10 @@ def stage_base(model: MiniMaxM3ForCausalLM, out: Path, quantize: bool = True) ->
 def publish_base(staging: Path, out: Path, info: dict) -> None:
     """The warm-up record and tokenizer record into `staging`, then `staging` renamed to `out`: the cache
     appears whole or not at all."""
-    publish_base(staging, out, info)
+    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
+    write_tokenizer_record(staging, "byte")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
 
 
 @torch.no_grad()
@@ -188,10 +191,7 @@ def build_quickstart_base(
     info = {"steps": step, "eval_acc": acc, "nvfp4_acc": nvfp4_acc, "seconds": time.perf_counter() - t0,
             "target_acc": target_acc, "num_train": num_train, "max_operand": max_operand,
             "preset": preset}  # fmt: skip
-    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
-    write_tokenizer_record(staging, "byte")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)  # the cache appears whole or not at all
+    publish_base(staging, out, info)
     log(f"warm-up done in {info['seconds']:.0f}s: held-out greedy acc {nvfp4_acc:.3f} (NVFP4 experts, KV)")
     return info
 
