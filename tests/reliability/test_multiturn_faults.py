@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ ray = pytest.importorskip("ray")
 from rl.config import load_config  # noqa: E402
 from rl.trainer import Trainer  # noqa: E402
 from rollout.bases.tools_warmup import INFO_FILE, build_tools_base  # noqa: E402
+from tests.reliability.drivers import rl_train  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
@@ -98,11 +98,7 @@ def test_hostile_sandboxed_code_is_counted_and_the_run_keeps_training(baseline):
 
 
 def _driver(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rl.train", "recipe=quickstart_tools", f"output_dir={out}", *RUN, *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_SERVICE", "RAY_"))}
-    env.update(WANDB_SILENT="true")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    return rl_train("quickstart_tools", out, *RUN, *extra)
 
 
 def test_sigkilled_driver_resumes_a_multiturn_run_to_the_same_run(baseline, tmp_path):

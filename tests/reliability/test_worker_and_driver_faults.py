@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from rl.config import load_config  # noqa: E402
 from rl.topology import TrainingAborted  # noqa: E402
 from rl.trainer import Trainer  # noqa: E402
 from rollout.bases.warmup import ensure_base  # noqa: E402
+from tests.reliability.drivers import rl_train  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
@@ -114,12 +114,7 @@ def test_nan_loss_skips_the_update_and_repeated_nans_abort_with_a_finite_checkpo
 
 
 def _driver(out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rl.train", "recipe=quickstart", f"output_dir={out}", *RUN, *extra]
-    # A fresh process tree, as after a real crash: not this test process's W&B service or Ray.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_SERVICE", "RAY_"))}
-    env.update(WANDB_SILENT="true")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    return rl_train("quickstart", out, *RUN, *extra)
 
 
 def test_driver_killed_during_a_checkpoint_write_resumes_to_the_same_run(baseline, tmp_path):
