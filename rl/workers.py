@@ -337,7 +337,7 @@ class RolloutWorker:
                 for _ in range(n)
             ]  # fmt: skip
             messages = [env.reset(row) for env in envs][-1]  # every env is reset; their first messages agree
-            ids = multiturn.chat_prompt_ids(self.tokenizer, messages, envs[0].tools if mt.show_tools else ())
+            ids = self.tokenizer.chat_prompt(messages, envs[0].tools if mt.show_tools else ())
             groups.append(
                 multiturn.EpisodeGroup(p.uid, tuple(ids), envs, params, (seed * 1_000_003 + i) % 2**31)
             )

@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.tool_calls import parse_tool_calls, render_plain_chat, render_plain_message
+from common.tool_calls import parse_tool_calls, render_plain_message
 from rollout.engine import Completion, Request, SamplingParams
+from rollout.text_stream import IncrementalDetokenizer, StopMatcher
 from rollout.tools.env import Environment
 from rollout.tools.sandbox import is_timeout
 
@@ -104,19 +105,8 @@ def _has_template(tokenizer) -> bool:
     return bool(getattr(getattr(tokenizer, "tok", None), "chat_template", None))
 
 
-def chat_prompt_ids(
-    tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] = ()
-) -> list[int]:
-    """The first prompt of an episode: the chat (and the tools list, when given) in the tokenizer's
-    template; the plain template (common/tool_calls.py render_plain_chat) for the byte tokenizer."""
-    if _has_template(tokenizer):
-        text = tokenizer.tok.apply_chat_template(
-            [dict(m) for m in messages], tools=list(tools) or None, tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer.encode(text)
-    return tokenizer.encode(render_plain_chat(messages, tools))
-
-
+# An episode's first prompt is `tokenizer.chat_prompt(messages, tools)` (common/tokenizer.py: the one
+# chat template, tools rendered the way the server and the warm-ups render them).
 def env_turn_ids(tokenizer, replies: Sequence[Mapping[str, Any]]) -> list[int]:
     """The tokens that follow a model turn ending in a tool call: the end of the assistant message,
     the tool replies and whatever opens the next assistant turn. Plain template: "\\n" (the assistant
@@ -202,13 +192,14 @@ class HistoryTurns:
         return done
 
     def _cut(self, c: Completion, stops: list[str]) -> Completion:
-        for k in range(1, len(c.token_ids) + 1):
-            text = self.detokenize(c.token_ids[:k])
-            hit = next((s for s in stops if s in text), None)
-            if hit is not None:
+        """`c` cut right after the token whose text completes a stop string (one pass over the tokens:
+        rollout/text_stream.py's incremental detokenizer and stop matcher)."""
+        detok, matcher = IncrementalDetokenizer(self.detokenize), StopMatcher(stops)
+        for k, tok in enumerate(c.token_ids, start=1):
+            if matcher.feed(detok.push(tok)) is not None:
                 return dataclasses.replace(c, token_ids=c.token_ids[:k], logprobs=c.logprobs[:k],
                                            adapter_versions=c.adapter_versions[:k], finish_reason="stop",
-                                           stop_reason=hit)  # fmt: skip
+                                           stop_reason=matcher.match[1])  # fmt: skip
         return c
 
     def resume(self, key: Key, history: list[int], append_ids: list[int], max_tokens: int, seed: int) -> None:

@@ -50,7 +50,7 @@ def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tupl
     """(ids, loss mask) of one episode that calls the calculator: prompt, call (trained), tool reply
     (not trained), "Answer: <result>" + EOS (trained). With `code`: a `python` call of that program
     instead, its reply a placeholder (test bases that exercise the sandbox; nothing runs here)."""
-    prompt = multiturn.chat_prompt_ids(tok, p.messages)
+    prompt = tok.chat_prompt(p.messages)
     expression = p.messages[-1]["content"].rstrip("=")
     if code is None:
         call = tok.encode(render_tool_calls([ToolCall("calculator", {"expression": expression})]), False)
@@ -66,7 +66,7 @@ def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tupl
 
 
 def direct_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], list[int]]:
-    prompt = multiturn.chat_prompt_ids(tok, p.messages)
+    prompt = tok.chat_prompt(p.messages)
     answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
@@ -99,7 +99,7 @@ def episode_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt]) -> dict
     for p in prompts:
         env = ToolEnv(["calculator"], max_turns=MAX_TURNS)
         env.reset({"prompt": p.messages[-1]["content"], "answer": p.ground_truth})
-        groups.append(multiturn.EpisodeGroup(p.uid, tuple(multiturn.chat_prompt_ids(tok, p.messages)),
+        groups.append(multiturn.EpisodeGroup(p.uid, tuple(tok.chat_prompt(p.messages)),
                                              [env], params, 0))  # fmt: skip
     limits = multiturn.TurnLimits(MAX_TURNS, TURN_TOKENS, CONTEXT)
     with cf.ThreadPoolExecutor(4) as pool:

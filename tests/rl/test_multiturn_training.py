@@ -47,7 +47,7 @@ def trajectories(worker: RolloutWorker, n_prompts: int = 2, n: int = 2) -> list[
     params = SamplingParams(temperature=1.0, stop_token_ids=tok.stop_token_ids)
     groups = []
     for k in range(n_prompts):
-        ids = multiturn.chat_prompt_ids(tok, [{"role": "user", "content": f"{123 + k}*45="}])
+        ids = tok.chat_prompt([{"role": "user", "content": f"{123 + k}*45="}])
         groups.append(
             multiturn.EpisodeGroup(f"u{k}", tuple(ids), [ReplyEnv() for _ in range(n)], params, 7 * k)
         )

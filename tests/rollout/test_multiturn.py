@@ -61,7 +61,7 @@ def groups(n_prompts=3, n=2, temperature=0.0, make_env=ReplyEnv, stop=()):
         envs = [make_env() for _ in range(n)]
         for e in envs:
             e.reset({"prompt": msgs[0]["content"], "answer": "0"})
-        out.append(multiturn.EpisodeGroup(f"p{k}", tuple(multiturn.chat_prompt_ids(TOK, msgs)), envs, params,
+        out.append(multiturn.EpisodeGroup(f"p{k}", tuple(TOK.chat_prompt(msgs)), envs, params,
                                           seed=100 * k))  # fmt: skip
     return out
 

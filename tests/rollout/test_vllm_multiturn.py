@@ -40,7 +40,7 @@ def test_vllm_multiturn_logprobs_equal_the_learners_whole_trajectory(tmp_path):
         engine.set_adapter(policy.adapter_tensors(), 0)
         params = SamplingParams(temperature=1.0, stop_token_ids=(TOK.eos_token_id,))
         groups = [
-            multiturn.EpisodeGroup(f"p{k}", tuple(multiturn.chat_prompt_ids(TOK, [{"role": "user", "content":
+            multiturn.EpisodeGroup(f"p{k}", tuple(TOK.chat_prompt([{"role": "user", "content":
                                    f"{k}+{k}="}])), [ReplyEnv() for _ in range(2)], params, 10 * k)
             for k in range(3)
         ]  # fmt: skip
