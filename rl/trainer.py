@@ -363,8 +363,8 @@ def multi_turn_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
         [float(e.get("tool_calls", 0) + e.get("tool_malformed", 0) > 0) for e in ex]
     )
     out[f"{prefix}tool_call_success"] = (attempts - errors) / attempts if attempts else 0.0
-    out[f"{prefix}tokens_model"] = _mean([float(e.get("model_tokens", 0)) for e in ex])
-    out[f"{prefix}tokens_env"] = _mean([float(e.get("env_tokens", 0)) for e in ex])
+    out[f"{prefix}tokens_model"] = _mean([float(s.num_model_tokens) for s in samples])
+    out[f"{prefix}tokens_env"] = _mean([float(len(s.response_ids) - s.num_model_tokens) for s in samples])
     return out
 
 

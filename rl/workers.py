@@ -352,8 +352,8 @@ class RolloutWorker:
             p = by_uid[t.request_id]
             extra = {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                      "tool_malformed": t.malformed, "tool_seconds": t.tool_seconds,
-                     "sandbox_timeouts": t.sandbox_timeouts, "model_tokens": t.model_tokens,
-                     "env_tokens": t.env_tokens, "multi_turn_finish": t.finish_reason}  # fmt: skip
+                     "sandbox_timeouts": t.sandbox_timeouts,
+                     "multi_turn_finish": t.finish_reason}  # fmt: skip
             if t.env_error:
                 extra["env_error"] = t.env_error
             samples.append(Sample(
