@@ -8,12 +8,12 @@ the others as a direct "Answer: <n>", both through the same renderer the rollout
 (rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. A call helps only
 once the model copies the expression into it and the tool's result into its answer, which this model
 may learn between steps 300 and 900 (at 300 steps every call copied wrongly: accuracy 0, no reward
-variance). Not robust yet: with a 50% share and 900 steps one build (1 torch thread) ended at held-out
-accuracy 0.375 and tool use 0.48, another (2 threads, same seed) at 0 and 0. It runs `max_steps`
+variance). Not robust yet: with a 50% share and 900 steps the build with `--threads 1` ended at held-out
+accuracy 0.375 and tool use 0.48, the recipe's (2 threads, same seed) at 0 and 0. It runs `max_steps`
 steps (or until held-out greedy episode accuracy, measured with the real calculator through the native
 multi-turn driver, reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
 
-    python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base
+    python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base [--threads 1]
 """
 
 from __future__ import annotations
@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (the result depends on it)")
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     build_tools_base(args.out, tool_share=args.tool_share, target_acc=args.target_acc,
                      max_steps=args.max_steps, eval_every=args.eval_every, batch_size=args.batch_size,
                      lr=args.lr, seed=args.seed)  # fmt: skip
