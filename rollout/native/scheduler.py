@@ -230,18 +230,24 @@ class Scheduler:
             self.allocator.release(seq.block_table[keep:])
             del seq.block_table[keep:]
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release_pages(self, seq: Sequence) -> None:
         self.allocator.release(seq.block_table)
         seq.block_table = []
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """`seq` loses its pages: its KV is recomputed from its tokens when it runs again."""
+        self._release_pages(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._drop_kv(seq)
         self.waiting.appendleft(seq)
 
     def free(self, seq: Sequence) -> None:
         """A finished sequence gives its pages back."""
-        self.allocator.release(seq.block_table)
-        seq.block_table = []
+        self._release_pages(seq)
         self.running.remove(seq)
 
     # ------------------------------------------------------------------ multi-turn
@@ -260,8 +266,7 @@ class Scheduler:
     def release_parked(self, seq: Sequence) -> None:
         """The trajectory is over: a parked sequence gives its pages back."""
         self.parked.remove(seq)
-        self.allocator.release(seq.block_table)
-        seq.block_table = []
+        self._release_pages(seq)
 
     def _evict_idle(self, keep: Sequence) -> bool:
         """Free the pages of one sequence that is not running (newest parked first, then queued
@@ -271,12 +276,7 @@ class Scheduler:
         idle += [s for s in reversed(self.waiting) if s.block_table and s is not keep]
         if not idle:
             return False
-        victim = idle[0]
-        self.allocator.release(victim.block_table)
-        victim.block_table = []
-        victim.num_computed = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
+        self._drop_kv(idle[0])
         return True
 
     # ------------------------------------------------------------------ one step
