@@ -26,6 +26,7 @@ from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
 from model.kernels.triton_indexer import (
     _index_scores_tuned,
     _index_scores_v4_tuned,
+    _index_scores_v6_tuned,
     index_select_blocks_triton,
 )
 from model.kernels.triton_kv_append import nvfp4_append
@@ -198,7 +199,10 @@ def run_indexer(
             extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
             if t_torch is not None:
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-            tuner = _index_scores_v4_tuned if variant == "v4" and dtype == "nvfp4" else _index_scores_tuned
+            tuner = {"v4": _index_scores_v4_tuned, "v6": _index_scores_v6_tuned}.get(
+                variant, _index_scores_tuned
+            )
+            tuner = tuner if dtype == "nvfp4" else _index_scores_tuned
             extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
     ratio_rows("indexer", shape, times, variants, target=1.7)
@@ -458,7 +462,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=[*VARIANTS, "v6"],
                     help="indexer / attention / gemv versions to time side by side (the first is the "
-                         "baseline of the ratio rows); v6 (MoE only): routed v6 beside v2")  # fmt: skip
+                         "baseline of the ratio rows); v6: the indexer's keys-on-M kernel and the MoE's "
+                         "routed v6 beside v2")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json
@@ -475,16 +480,17 @@ def main() -> None:
     only = set(args.only or ["append", "indexer", "attention", "gemv", "moe"])
     contexts = args.contexts or ([32768] if args.quick else [32768, 131072])
     t0 = time.time()
-    kv_variants = tuple(v for v in args.variants if v in VARIANTS)  # v6 names the MoE path only
+    kv_variants = tuple(v for v in args.variants if v in VARIANTS)  # attention: v2..v5
+    index_variants = tuple(v for v in args.variants if v in (*VARIANTS, "v6"))  # indexer v6: keys on M
     if not kv_variants:
-        only -= {"indexer", "attention"}
+        only -= {"attention"}
     if "append" in only:
         run_append(cfg, device)
     for B in args.batches:
         for ctx in contexts:
             small = B * ctx <= 64 * 32768
-            if "indexer" in only:
-                run_indexer(cfg, B, ctx, device, with_torch=small, variants=kv_variants)
+            if "indexer" in only and index_variants:
+                run_indexer(cfg, B, ctx, device, with_torch=small, variants=index_variants)
             if "attention" in only:
                 run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=kv_variants)
             torch.cuda.empty_cache()

@@ -34,7 +34,7 @@ from model.kernels.triton_common import (
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v5", "v4", "v3", "v2"]
+DecodeVariant = Literal["v6", "v5", "v4", "v3", "v2"]
 """v5: v3 with the coalesced flat-block decode (`load_nvfp4_tile_f16_v5`); v4: v3's decode over PPI
 pages per loop iteration (more key bytes in flight per program); v3: NVFP4 keys decoded word-wise to
 fp16 (`load_nvfp4_tile_f16`); v2: the byte-wise decode."""
@@ -197,6 +197,116 @@ def _index_scores_v4_kernel(
                  mask=is_head[:, None] & (j_j < n_blk)[None, :])  # fmt: skip
 
 
+# v6 decode: E2M1 nibbles -> e4m3 bytes worth e2m1 * 2^-6 (docs/FACTS.md, "Kernel facts"), four at
+# a time in one 32-bit register, then packed e4m3x2 -> f16x2 converts. Low nibbles (even values) and
+# high nibbles (odd values) are separate tiles, so no interleave ever reorders registers.
+_E2M1_LO_F16X4 = tl.constexpr(
+    "{ .reg .b32 t0, t1; .reg .b16 h0, h1;\n"
+    " and.b32 t0, $2, 0x07070707; shl.b32 t0, t0, 2; and.b32 t1, $2, 0x08080808; shl.b32 t1, t1, 4;\n"
+    " or.b32 t0, t0, t1; mov.b32 {h0, h1}, t0; cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }"
+)
+_E2M1_HI_F16X4 = tl.constexpr(
+    "{ .reg .b32 t0, t1; .reg .b16 h0, h1;\n"
+    " shr.b32 t0, $2, 2; and.b32 t0, t0, 0x1C1C1C1C; and.b32 t1, $2, 0x80808080;\n"
+    " or.b32 t0, t0, t1; mov.b32 {h0, h1}, t0; cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }"
+)
+
+
+@triton.jit
+def _e2m1_half_f16(b, HI: tl.constexpr, HW: tl.constexpr):
+    """uint8 code bytes -> fp16 e2m1 * 2^-6 of their low (HI False) or high nibbles, elementwise."""
+    if HW and HI:
+        return tl.inline_asm_elementwise(
+            _E2M1_HI_F16X4, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4
+        )
+    if HW:
+        return tl.inline_asm_elementwise(
+            _E2M1_LO_F16X4, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4
+        )
+    if HI:
+        e4m3 = ((b >> 2) & 0x1C) | (b & 0x80)
+    else:
+        e4m3 = ((b & 7) << 2) | ((b & 8) << 4)
+    return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+# `_index_scores_v6_kernel` (NVFP4 keys, C = 128, bf16 queries), grid (T, SPLITS) as v3. Keys are on
+# the MMA's M side: a [SUB, C/2] tile of raw code bytes is the A operand, decoded in registers in the
+# dot-operand layout (the byte loads are pipelined into shared memory; no decoded tile is ever stored
+# there, which is what bound v3: ncu L1/TEX 72-81% busy). Block scales are applied to accumulators,
+# not tiles: the B operand is the query expanded per scale block, column w = n * NB + b holding head
+# n's values in block b and zeros elsewhere, so one dot per half gives every block's partial score
+# [SUB, NP * NB]; times its key's block scale and summed over b that is the key's score per head.
+# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`_q_to_f16`) are exact in fp16, each
+# product exact in the fp32 accumulator; the reference's scores up to fp32 summation order.
+@triton.jit
+def _index_scores_v6_kernel(
+    q_ptr, stride_qt, stride_qn,
+    pages_ptr, stride_pp,
+    bt_ptr, stride_bb, seq_ptr, pos_ptr, scale_ptr,
+    out_ptr, stride_ot, stride_on,
+    BPS, tune_class,
+    N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    blk0 = tl.program_id(1) * BPS
+    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
+    n_iter = tl.minimum(BPS, pos // PAGE + 1 - blk0)
+    HALF: tl.constexpr = C // 2  # code bytes per row; scale bytes follow
+    ROW: tl.constexpr = HALF + C // 16  # packed rows (a constant stride: 8-byte vector loads)
+    NB: tl.constexpr = C // 16  # scale blocks per row
+    W: tl.constexpr = NP * NB
+    offs_j = tl.arange(0, HALF)  # byte j holds values 2j (low nibble) and 2j + 1, block j // 8
+    offs_w = tl.arange(0, W)
+    offs_c = tl.arange(0, C)
+    offs_s = tl.arange(0, SUB)
+    offs_n = tl.arange(0, NP)
+    col_n = offs_w // NB
+    col_b = offs_w % NB
+    q_row = q_ptr + pid_t * stride_qt
+    # Per-column power-of-two prescale from the column's whole head row (as `_q_to_f16`).
+    q_wc = tl.load(q_row + col_n[:, None] * stride_qn + offs_c[None, :], mask=(col_n < N)[:, None], other=0.0)
+    amax_w = tl.max(tl.abs(q_wc.to(tl.float32)), axis=1)
+    e_w = tl.maximum((amax_w.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)
+    mul_w = ((268 - e_w) << 23).to(tl.float32, bitcast=True)
+    q_nc = tl.load(
+        q_row + offs_n[:, None] * stride_qn + offs_c[None, :], mask=(offs_n < N)[:, None], other=0.0
+    )
+    amax_n = tl.max(tl.abs(q_nc.to(tl.float32)), axis=1)
+    e_n = tl.maximum((amax_n.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)
+    g_n = ((e_n - 14) << 23).to(tl.float32, bitcast=True) * (tl.load(scale_ptr).to(tl.float32) * 64.0)
+    is_w = ((offs_j[:, None] // 8) == col_b[None, :]) & (col_n < N)[None, :]
+    q_even = q_row + col_n[None, :] * stride_qn + 2 * offs_j[:, None]
+    qe_jw = (tl.load(q_even, mask=is_w, other=0.0).to(tl.float32) * mul_w[None, :]).to(tl.float16)
+    qo_jw = (tl.load(q_even + 1, mask=is_w, other=0.0).to(tl.float32) * mul_w[None, :]).to(tl.float16)
+    NSUB: tl.constexpr = PAGE // SUB
+    for i in range(0, n_iter):
+        blk = blk0 + i
+        page = tl.load(bt_ptr + seq * stride_bb + blk).to(tl.int64)
+        best_n = tl.full((NP,), float("-inf"), tl.float32)
+        for u in tl.static_range(NSUB):
+            rows = pages_ptr + page * stride_pp + (u * SUB + offs_s[:, None]) * ROW
+            # Unmasked: a visible block's page is allocated; keys past pos are dropped below.
+            even_sj = _e2m1_half_f16(tl.load(rows + offs_j[None, :]), False, HW)
+            odd_sj = _e2m1_half_f16(tl.load(rows + offs_j[None, :]), True, HW)
+            part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
+            bscale_sw = tl.load(rows + HALF + col_b[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s_sn = tl.sum(tl.reshape(part_sw * bscale_sw, (SUB, NP, NB)), axis=2)
+            is_vis = blk * PAGE + u * SUB + offs_s <= pos
+            best_n = tl.maximum(best_n, tl.max(tl.where(is_vis[:, None], s_sn, float("-inf")), axis=0))
+        tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
+
+
+V6_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3), (32, 4, 4))  # (SUB, warps, stages)
+_index_scores_v6_tuned = triton.autotune(
+    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
+    key=["tune_class", "PAGE"],
+    do_bench=safe_do_bench,
+)(_index_scores_v6_kernel)
+
+
 @triton.jit
 def _index_topk_kernel(
     scores_ptr, stride_st, stride_sn, pos_ptr, out_ptr, stride_ot, stride_on,
@@ -299,6 +409,25 @@ def _launch_v4(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
                                                                    num_stages=st)  # fmt: skip
 
 
+def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP) -> None:
+    """v6 scores launch: autotuned over V6_CONFIGS on a GPU at decode size, else one sub-tile of
+    min(page, 64) keys with 4 warps."""
+    T, N, C = index_q_TNC.shape
+    P, page = block_tables_BP.shape[1], pages.shape[1]
+    splits, bps = plan_splits(T, P, index_q_TNC.device)
+    args = (
+        index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
+        pages, pages.stride(0),
+        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
+        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
+    )  # fmt: skip
+    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts())
+    if use_hw_casts() and T * splits >= 256 and page >= 128:
+        _index_scores_v6_tuned[(T, splits)](*args, **consts)
+    else:
+        _index_scores_v6_kernel[(T, splits)](*args, **consts, SUB=min(page, 64), num_warps=4, num_stages=3)
+
+
 @opaque_to_compile
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
@@ -318,7 +447,11 @@ def index_block_scores_triton(
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
-    is_v4 = variant == "v4" and is_v3 and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
+    is_nvfp4_bf16 = is_v3 and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
+    if variant == "v6" and is_nvfp4_bf16 and pages.stride(1) == C // 2 + C // 16:
+        _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP)
+        return scores_TNP
+    is_v4 = variant == "v4" and is_nvfp4_bf16
     if is_v4:
         _launch_v4(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP, ppi)
         return scores_TNP
