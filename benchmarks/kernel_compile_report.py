@@ -25,7 +25,8 @@ from pathlib import Path
 # Columns: regs / spill stores / spill loads (bytes) from `ptxas -v` on the generated PTX; shared =
 # static + Triton-managed shared memory; sass = all SASS instructions; loop = instructions inside the
 # largest backward branch (the per-tile K / page loop) with its op histogram; per_elem = loop /
-# elements a thread handles per iteration (the case's `elems`). pipe / blk / KB/SM (bytes in flight
+# elements a thread handles per iteration (the case's `elems`); stg = decoded floating-point tiles the
+# loop stages in shared memory for the dot (`staged_tiles`). pipe / blk / KB/SM (bytes in flight
 # of a latency-bound loop): how the loop's loads are pipelined (TTGIR "sync" or "async xD"), programs
 # resident per SM, and HBM bytes in flight per SM = programs x D x tile bytes. Cases: each indexer /
 # attention cache format, NVFP4 in both decode versions, over the configurations those launches
@@ -187,6 +188,14 @@ def pipeline_info(ttgir: str) -> str:
     return f"async x{best[1]}"
 
 
+def staged_tiles(ttgir: str) -> int:
+    """Decoded floating-point tiles the hot loop writes to shared memory (TTGIR `local_alloc` of a
+    register tensor after the first `scf.for`): the round trip a register-resident MMA operand avoids.
+    Raw code bytes staged by cp.async are not counted (integer memdescs)."""
+    loop = ttgir[ttgir.find("scf.for") :] if "scf.for" in ttgir else ""
+    return len(re.findall(r"local_alloc %\S+ : \(tensor<[0-9x]+x(?:f16|bf16|f32|f8E4M3FN)", loop))
+
+
 def report(case: Case, n_ops: int = 10) -> dict:
     k = compile_case(case)
     row = dict(
@@ -196,6 +205,7 @@ def report(case: Case, n_ops: int = 10) -> dict:
         **_ptxas_counts(k.asm["ptx"]),
         shared=k.metadata.shared,
         pipe=pipeline_info(k.asm["ttgir"]),
+        staged=staged_tiles(k.asm["ttgir"]),
     )
     sc = sass_counts(k.asm["cubin"])
     row.update(sass=sc["sass"], loop=sc["loop"], loop_mem=dict(sorted(sc["mem"].items())))
@@ -360,6 +370,12 @@ def indexer_cases() -> list[Case]:
         out.append(Case(f"indexer nvfp4 v4 PPI={ppi}{tag}", ix._index_scores_v4_kernel, consts, ptrs,
                         num_warps=w, num_stages=st, elems=ppi * 128 * 128 // (32 * w),
                         divisibility={"stride_ps": 1}, tile_bytes=ppi * 128 * 72))  # fmt: skip
+    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
+    consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
+    for sub, w, st in ix.V6_CONFIGS:
+        out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},
+                        ptrs, num_warps=w, num_stages=st, elems=128 * 128 // (32 * w),
+                        tile_bytes=128 * 72))  # fmt: skip
     return out
 
 
@@ -417,7 +433,7 @@ def main() -> None:
     )
     print(
         f"{'case':58s} {'w':>2s} {'st':>2s} {'regs':>4s} {'spill':>9s} {'smem':>6s} {'sass':>5s} "
-        f"{'loop':>5s} {'/elem':>6s} {'pipe':>8s} {'blk':>3s} {'KB/SM':>5s}  loop ops"
+        f"{'loop':>5s} {'/elem':>6s} {'pipe':>8s} {'stg':>3s} {'blk':>3s} {'KB/SM':>5s}  loop ops"
     )
     for group in args.groups:
         for case in GROUPS[group]():
@@ -432,7 +448,7 @@ def main() -> None:
             print(
                 f"{row['name']:58s} {row['warps']:2d} {row['stages']:2d} {row['regs']:4d} {spill:>9s} "
                 f"{row['shared']:6d} {row['sass']:5d} {row['loop']:5d} {row.get('per_elem', ''):>6} "
-                f"{row['pipe']:>8s} "
+                f"{row['pipe']:>8s} {row['staged']:3d} "
                 f"{row['blocks_sm']:3d} {row.get('inflight_kb', ''):>5}  "
                 f"{' '.join(f'{k}:{v}' for k, v in row['loop_ops'].items())}",
                 flush=True,

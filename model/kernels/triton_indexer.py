@@ -299,7 +299,7 @@ def _index_scores_v6_kernel(
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
 
 
-V6_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3), (32, 4, 4))  # (SUB, warps, stages)
+V6_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3))  # (SUB, warps, stages); SUB 32 gets mma.sync
 _index_scores_v6_tuned = triton.autotune(
     [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
     key=["tune_class", "PAGE"],
