@@ -27,7 +27,14 @@ from model import nvfp4
 from model.config import ModelConfig
 from model.hf_config import checkpoint_layout
 from model.hf_layout import from_port_names, to_port_names
-from model.integrity import IntegrityError, fsync_path, verify_manifest, write_manifest
+from model.integrity import (
+    IntegrityError,
+    file_sha256,
+    fsync_path,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from model.layers.attention import Attention
 from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
@@ -532,6 +539,29 @@ def base_fingerprint(
         h.update(str(t.dtype).encode())
         h.update(b"".join(rows[name]) if name in rows else _host_bytes_view(t).numpy().tobytes())
     return FINGERPRINT_PREFIX + h.hexdigest()
+
+
+DIRECTORY_FINGERPRINT_PREFIX = "dir1:"
+
+
+def directory_fingerprint(path: str | os.PathLike, dtype: torch.dtype) -> str:
+    """A base directory's identity as a learner loads it, without loading it: sha256 over config.json,
+    each tensor file's name and sha256, and the dtype the model is held in. With a checksums.json the
+    files are verified against it first (streamed, constant memory) and its digests are used; without
+    one (an upstream release) every file is hashed. Equal values: byte-identical files loaded by the
+    same rule. Used where an engine serves the directory itself (vLLM) and so holds no model of ours
+    to `base_fingerprint`: no host copy of a 248 GB base just to compare it with the learner's."""
+    path = Path(path)
+    files = sorted({f.name for f in _shard_files(path).values()})
+    verified = verify_shards(path)  # CheckpointError naming a bad shard
+    manifest = read_manifest(path) if verified else None
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    h.update(str(dtype).encode())
+    for name in files:
+        h.update(name.encode())
+        h.update((manifest[name]["sha256"] if manifest else file_sha256(path / name)).encode())
+    return DIRECTORY_FINGERPRINT_PREFIX + h.hexdigest()
 
 
 def _host_bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,13 @@ import time
 
 import torch
 
+from model.checkpoint import directory_fingerprint
 from rl import grpo
 from rl.config import TrainConfig
 from rl.faults import maybe_fail
 from rl.sync import AdapterUpdate, make_update
 from rl.workers import (
+    _DTYPES,
     Sample,
     adapter_tensors,
     build_policy,
@@ -55,6 +57,7 @@ class Learner:
 
     def __init__(self, cfg: TrainConfig, base_dir: str, rank: int = 0, world: int = 1):
         self.rank, self.world = rank, world
+        self.base_dir = base_dir
         torch.manual_seed(cfg.trainer.seed)
         torch.set_num_threads(max(1, cfg.trainer.torch_threads))
         self.cfg = cfg
@@ -95,6 +98,11 @@ class Learner:
     def fingerprint(self) -> str:
         """The whole base's fingerprint (DEP: gathered over the group by `init_group`)."""
         return self._fingerprint or policy_fingerprint(self.model)
+
+    def directory_fingerprint(self) -> str:
+        """The loaded base directory's file-level identity, which a vLLM engine serving that directory
+        reports (model.checkpoint.directory_fingerprint)."""
+        return directory_fingerprint(self.base_dir, _DTYPES[self.cfg.model.dtype])
 
     # ------------------------------------------------------------------ data-parallel group
     def rendezvous_address(self) -> tuple[str, int]:

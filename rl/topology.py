@@ -92,14 +92,17 @@ class Topology:
         if world > 1:
             addr = ray.get(self.learners[0].rendezvous_address.remote())
             ray.get([lrn.init_group.remote(*addr) for lrn in self.learners])
-        prints = ray.get([lrn.fingerprint.remote() for lrn in self.learners])
+        own = ray.get([lrn.fingerprint.remote() for lrn in self.learners])
+        # vLLM serving an M3 checkpoint holds no model of ours: it is compared by directory identity.
+        by_dir = cfg.rollout.backend == "vllm" and cfg.model.family != "hf"
+        prints = ray.get([lrn.directory_fingerprint.remote() for lrn in self.learners]) if by_dir else own
         prints += fetch([w.fingerprint.remote() for w in self.rollout])
-        if len(set(prints)) != 1:
+        if len(set(prints)) != 1 or len(set(own)) != 1:
             raise RuntimeError(
                 f"base fingerprints differ between learner and rollout workers: {prints}; every worker must "
                 "load the same NVFP4 base (one quantization function) — check model.checkpoint and dtype"
             )
-        self.base_fingerprint = prints[0]
+        self.base_fingerprint = own[0]
 
     # ------------------------------------------------------------------ placement
     @property

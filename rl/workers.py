@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.tokenizer import load_tokenizer
-from model.checkpoint import base_fingerprint, load_model
+from model.checkpoint import base_fingerprint, directory_fingerprint, load_model
 from model.layers.lora import apply_lora, load_lora_state_dict, lora_state_dict
 from rl import grpo
 from rl.config import TrainConfig
@@ -199,10 +199,9 @@ class RolloutWorker:
 
             self._fingerprint = twin_fingerprint(base_dir)
             targets = tuple(cfg.lora.target_modules)
-        else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support)
-            # in the dtype the learner holds it in: the fingerprint covers dtypes
-            held = load_model(base_dir, device="cpu", dtype=_DTYPES[cfg.model.dtype])
-            self._fingerprint = base_fingerprint(held)
+        else:  # vLLM serves the project's checkpoint (GPU builds with MiniMax-M3 support) itself:
+            # compared with the learner by the directory's files and dtype, never loaded here
+            self._fingerprint = directory_fingerprint(base_dir, _DTYPES[cfg.model.dtype])
             targets = tuple(peft_target_modules(list(cfg.lora.target_modules)))
         eos = self.tokenizer.eos_token_id
         self.engine = VLLMEngine(vllm_settings(cfg, base_dir, targets, self.index, eos))

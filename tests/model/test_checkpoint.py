@@ -198,3 +198,30 @@ def test_adapter_weights_bit_flip_and_truncation_are_named(tmp_path):
     (tmp_path / WEIGHTS_FILE).write_bytes(good)
     (tmp_path / MANIFEST_FILE).unlink()  # a PEFT-written adapter: no manifest, still readable
     assert read_adapter(tmp_path)[0].r == 4
+
+
+def test_directory_fingerprint_names_files_and_dtype_and_needs_no_manifest(tmp_path):
+    """The identity a vLLM engine reports for the directory it serves: the same for a copy and with
+    or without checksums.json (its digests are the files' own), different for another dtype or other
+    weights, and a corrupted shard is named instead of fingerprinted."""
+    import shutil
+
+    from model.checkpoint import directory_fingerprint
+
+    cfg = ModelConfig.preset("tiny")
+    save_model(make(cfg), tmp_path / "a")
+    save_model(make(cfg, seed=1), tmp_path / "b")
+    fp = directory_fingerprint(tmp_path / "a", torch.float32)
+    assert fp.startswith("dir1:")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    assert directory_fingerprint(tmp_path / "copy", torch.float32) == fp
+    (tmp_path / "copy" / MANIFEST_FILE).unlink()
+    assert directory_fingerprint(tmp_path / "copy", torch.float32) == fp  # every file hashed instead
+    assert directory_fingerprint(tmp_path / "a", torch.bfloat16) != fp
+    assert directory_fingerprint(tmp_path / "b", torch.float32) != fp
+    shard = sorted((tmp_path / "a").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=shard.name):
+        directory_fingerprint(tmp_path / "a", torch.float32)
