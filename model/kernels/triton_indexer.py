@@ -442,7 +442,7 @@ def index_block_scores_triton(
     T, N, C = index_q_TNC.shape
     P = block_tables_BP.shape[1]
     page = pages.shape[1]
-    is_v3 = variant in ("v3", "v4", "v5") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
+    is_v3 = variant in ("v3", "v4", "v5", "v6") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
     is_v5 = variant == "v5" and is_v3 and pages.stride(1) == C // 2 + C // 16  # packed 72-byte rows
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
