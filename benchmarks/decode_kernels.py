@@ -25,7 +25,6 @@ from model.kernels.sparse_attention import sparse_attention_torch
 from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
 from model.kernels.triton_indexer import (
     _index_scores_tuned,
-    _index_scores_v4_tuned,
     _index_scores_v6_tuned,
     index_select_blocks_triton,
 )
@@ -199,10 +198,7 @@ def run_indexer(
             extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
             if t_torch is not None:
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-            tuner = {"v4": _index_scores_v4_tuned, "v6": _index_scores_v6_tuned}.get(
-                variant, _index_scores_tuned
-            )
-            tuner = tuner if dtype == "nvfp4" else _index_scores_tuned
+            tuner = _index_scores_v6_tuned if variant == "v6" and dtype == "nvfp4" else _index_scores_tuned
             extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
     ratio_rows("indexer", shape, times, variants, target=1.7)

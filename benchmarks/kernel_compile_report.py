@@ -340,7 +340,6 @@ def indexer_cases() -> list[Case]:
 
     out = []
     for fmt, label, v3 in (
-        (2, "nvfp4 v5", True),
         (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
@@ -348,8 +347,7 @@ def indexer_cases() -> list[Case]:
     ):
         ptrs = dict(q_ptr="bf16", pages_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", scale_ptr="fp32", out_ptr="fp32")  # fmt: skip
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3,
-                      V5=label.endswith("v5"))  # fmt: skip
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3)
         # elems: key values per thread per page (128 keys x 128 dims over the threads). NVFP4 rows are
         # 72 bytes: Triton gets no divisibility hint for their stride (not a multiple of 16).
         div = {"stride_ps": 1} if fmt == 2 else {}
@@ -359,18 +357,9 @@ def indexer_cases() -> list[Case]:
             out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
                             num_stages=st, elems=128 * 128 // (32 * w), divisibility=div,
                             tile_bytes=128 * (72, 128, 256)[2 - fmt]))  # fmt: skip
-    # v4: the tuned configurations plus the neighbours they were chosen from (V4_CONFIGS_WHY).
+    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
     ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
                 out_ptr="fp32")  # fmt: skip
-    extra = [(1, 4, 4), (1, 8, 5), (2, 4, 3), (2, 4, 5), (2, 8, 1), (2, 8, 3), (2, 8, 7), (4, 8, 1),
-             (4, 8, 5)]  # fmt: skip
-    for ppi, w, st in list(ix.V4_CONFIGS) + extra:
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, HW=True, PPI=ppi)
-        tag = "" if (ppi, w, st) in ix.V4_CONFIGS else " (not tuned)"
-        out.append(Case(f"indexer nvfp4 v4 PPI={ppi}{tag}", ix._index_scores_v4_kernel, consts, ptrs,
-                        num_warps=w, num_stages=st, elems=ppi * 128 * 128 // (32 * w),
-                        divisibility={"stride_ps": 1}, tile_bytes=ppi * 128 * 72))  # fmt: skip
-    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
     consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
     for sub, w, st in ix.V6_CONFIGS:
         out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},

@@ -28,8 +28,6 @@ GROUPS = {
         "indexer_scores_match_reference",
         "indexer_batch1_split_context",
         "indexer_v3_c128_scores_and_selection_match_reference",
-        "indexer_v4_every_ppi_scores_and_selection_match_reference",
-        "indexer_v5_scores_and_selection_equal_v3_bitwise",
     ],
     "attention": [
         "attention_bf16_matches_reference",
@@ -224,10 +222,10 @@ def indexer_batch1_split_context(device):
 
 
 def indexer_v3_c128_scores_and_selection_match_reference(device):
-    """The v3 word-wise NVFP4 decode (head dim 128, fp16 keys, queries prescaled by a power of two):
-    block scores equal the fp32 reference's within fp32 summation error for query rows of very
-    different magnitudes (fp16 alone would overflow at 3e4 x 128 dims or flush 1e-6), and selections
-    equal the reference for both variants."""
+    """NVFP4 keys at head dim 128 (v3: decoded word-wise to fp16; v6: keys on the MMA's M side; both
+    with queries prescaled by a power of two): block scores equal the fp32 reference's within fp32
+    summation error for query rows of very different magnitudes (fp16 alone would overflow at 3e4 x
+    128 dims or flush 1e-6), and selections equal the reference for v3, v6 and the byte-wise v2."""
     from model.kernels.indexer import index_select_blocks_ref
     from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
 
@@ -268,91 +266,6 @@ def _scores_close(got, q, ic, table, seq, pos, page):
         tol = 1e-5 * want.abs().max().item()
         if not torch.allclose(got[t, :, :nb], want, rtol=1e-5, atol=tol):
             return False, f"row {t}: scores {got[t, :, :nb]} vs {want}"
-    return True, ""
-
-
-def indexer_v5_scores_and_selection_equal_v3_bitwise(device):
-    """v5 (the coalesced flat-block NVFP4 decode) gives v3's block scores bit for bit and the same
-    selections, at pages of 16 and 32 tokens, ragged lengths and rows whose own page is partly
-    empty; scores and selections are poisoned first, so a block v5 skips fails."""
-    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
-
-    gen = torch.Generator().manual_seed(13)
-    for page, lens in [(16, [70, 33, 5]), (32, [100, 1])]:
-        _, dev = _index_problem("nvfp4", 128, page, lens, 8, 2, gen, device)
-        q, ic, table, seq, pos, _ = dev
-        v3 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v3").cpu()
-        v5 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v5").cpu()
-        for t in range(len(seq)):
-            nb = int(pos[t]) // page + 1
-            if not torch.equal(v5[t, :, :nb].view(torch.int32), v3[t, :, :nb].view(torch.int32)):
-                return False, f"page={page} row {t}: v5 scores {v5[t, :, :nb]} vs v3 {v3[t, :, :nb]}"
-        kw = dict(topk=3, local_blocks=1, init_blocks=1)
-        sel = {}
-        for variant in ("v3", "v5"):
-            poison = torch.full((len(seq), q.shape[1], 3), -7, dtype=torch.long, device=device)
-            sel[variant] = index_select_blocks_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, **kw,
-                                                      out_TNK=poison, variant=variant).cpu()  # fmt: skip
-        if not torch.equal(sel["v5"], sel["v3"]) or bool((sel["v5"] == -7).any()):
-            return False, f"page={page}: v5 selection {sel['v5']} vs v3 {sel['v3']}"
-    return True, ""
-
-
-def _nvfp4_block_scores_ref(cpu, page):
-    """[T, N, blocks] reference block maxima (fp32) of the rows of an `_index_problem`."""
-    from model.kv_cache import dequantize_kv, gather_pages
-
-    q, ic, table, seq, pos, _ = cpu
-    out = []
-    for t in range(len(seq)):
-        b, p = int(seq[t]), int(pos[t])
-        keys = dequantize_kv(gather_pages(ic.pages, table[b], p + 1)[:, None], ic.dtype, ic.scale, 128)[:, 0]
-        nb = p // page + 1
-        s = torch.nn.functional.pad(q[t].float() @ keys.T, (0, nb * page - p - 1), value=float("-inf"))
-        out.append(s.view(-1, nb, page).amax(-1))
-    return out
-
-
-def indexer_v4_every_ppi_scores_and_selection_match_reference(device):
-    """v4 (PPI pages per loop iteration) at PPI 1, 2 and 4 (on CUDA also the autotuned launch at
-    128-token pages: every configuration of V4_CONFIGS compiled and timed): block scores equal the
-    fp32 reference's within summation error and selections equal it, with ragged lengths whose last
-    iteration has fewer than PPI blocks, a batch-1 context split over several programs (blocks per
-    split a multiple of PPI, some programs past the end) and query rows of very different magnitudes."""
-    from model.kernels.indexer import index_select_blocks_ref
-    from model.kernels.triton_indexer import (
-        V4_PPI,
-        index_block_scores_triton,
-        index_select_blocks_triton,
-        plan_splits_v4,
-    )
-
-    gen = torch.Generator().manual_seed(12)
-    problems = [(16, [70, 33, 130], 10, 1.0), (16, [280], 18, 3e4), (32, [100, 5], 4, 1e-6)]
-    if device == "cuda":  # 128-token pages, large enough for the autotuned launch (every V4_CONFIGS)
-        problems.append((128, [5000, 3000, 4200, 120] * 2, 40, 1.0))
-    for page, lens, width, q_mag in problems:
-        cpu, dev = _index_problem("nvfp4", 128, page, lens, width, 2, gen, device)
-        q = (cpu[0].float() * q_mag).to(torch.bfloat16)
-        cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
-        want_scores = _nvfp4_block_scores_ref(cpu, page)
-        kw = dict(topk=3, local_blocks=1, init_blocks=1)
-        want = index_select_blocks_ref(*cpu, **kw)
-        for ppi in V4_PPI + ((None,) if page == 128 else ()):  # None: the autotuned choice
-            splits, bps = plan_splits_v4(len(cpu[3]), width, ppi or 1, torch.device(device))
-            if bps % (ppi or 1) or splits * bps < width:
-                return False, f"plan_splits_v4 ppi={ppi}: {splits} x {bps} for {width} blocks"
-            got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5],
-                                            variant="v4", ppi=ppi).cpu()  # fmt: skip
-            for t, w in enumerate(want_scores):
-                tol = 1e-5 * w.abs().max().item()
-                if not torch.allclose(got[t, :, : w.shape[1]], w, rtol=1e-5, atol=tol):
-                    return False, f"ppi={ppi} page={page} row {t}: {got[t, :, : w.shape[1]]} vs {w}"
-            poison = torch.full_like(want, -7).to(device)
-            sel = index_select_blocks_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5], **kw,
-                                             out_TNK=poison, variant="v4", ppi=ppi)  # fmt: skip
-            if not torch.equal(sel.cpu(), want):
-                return False, f"ppi={ppi} page={page}: selection differs\n{sel.cpu()}\n{want}"
     return True, ""
 
 
