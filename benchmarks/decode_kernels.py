@@ -32,11 +32,7 @@ from model.kernels.triton_kv_append import nvfp4_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
 from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
-from model.kernels.triton_sparse_attention import (
-    _sparse_attn_tuned,
-    _sparse_attn_v4_tuned,
-    sparse_attention_triton,
-)
+from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
@@ -273,8 +269,7 @@ def run_attention(
                 ],
                 reps=R,
             )
-            tuner = _sparse_attn_v4_tuned if variant == "v4" and dtype == "nvfp4" else _sparse_attn_tuned
-            cfg_str = str(getattr(tuner, "best_config", None))
+            cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
             record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
                    rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1),
                    **extra)  # fmt: skip

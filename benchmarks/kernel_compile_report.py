@@ -374,22 +374,18 @@ def attention_cases() -> list[Case]:
     from model.kernels import triton_sparse_attention as sa
 
     out = []
-    for fmt, label, v3 in (
+    for fmt, label, v5 in (
         (2, "nvfp4 v5", True),
-        (2, "nvfp4 v4", True),
-        (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
         (0, "bf16", False),
     ):
-        # v4: the v3 kernel over its own (deeper-pipelined) configurations.
-        tuner = sa._sparse_attn_v4_tuned if label.endswith("v4") else sa._sparse_attn_tuned
         ptrs = dict(q_ptr="bf16", kv_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", sel_ptr="i64", kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16",
                     part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
-        for cfg in tuner.configs:
+        for cfg in sa._sparse_attn_tuned.configs:
             consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
-                          IS_SPLIT=True, HW=True, V3=v3, V5=label.endswith("v5"), **cfg.kwargs)  # fmt: skip
+                          IS_SPLIT=True, HW=True, V5=v5, **cfg.kwargs)  # fmt: skip
             sub = cfg.kwargs["SUB"]
             # elems: K plus V values per thread per SUB-token step; NVFP4 rows are 72 bytes (no hint).
             div = {"stride_ks": 1} if fmt == 2 else {}

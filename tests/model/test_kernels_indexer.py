@@ -80,8 +80,8 @@ def test_every_decode_autotuner_skips_configs_that_fail_to_compile():
     from model.kernels.triton_common import safe_do_bench
 
     tuners = [triton_indexer._index_scores_tuned, triton_indexer._index_scores_v6_tuned,
-              triton_sparse_attention._sparse_attn_tuned, triton_sparse_attention._sparse_attn_v4_tuned,
-              triton_gemv._w4a16_gemv_tuned, triton_moe._nvfp4_moe_tuned, triton_moe_gemv._glu_tuned,
+              triton_sparse_attention._sparse_attn_tuned, triton_gemv._w4a16_gemv_tuned,
+              triton_moe._nvfp4_moe_tuned, triton_moe_gemv._glu_tuned,
               triton_moe_gemv._down_tuned]  # fmt: skip
     assert all(t._do_bench is safe_do_bench for t in tuners)
 
@@ -93,8 +93,8 @@ def test_decode_autotuners_key_on_size_classes_not_exact_batch_sizes():
 
     varying = {"n_slots", "n_rows", "n_mblocks", "n_work", "BPS", "SPLITS"}
     attn = triton_sparse_attention
-    tuners = [attn._sparse_attn_tuned, attn._sparse_attn_v4_tuned, triton_moe._nvfp4_moe_tuned,
-              triton_moe_gemv._glu_tuned, triton_moe_gemv._down_tuned]  # fmt: skip
+    tuners = [attn._sparse_attn_tuned, triton_moe._nvfp4_moe_tuned, triton_moe_gemv._glu_tuned,
+              triton_moe_gemv._down_tuned]  # fmt: skip
     for t in tuners:
         assert "tune_class" in t.keys and not varying & set(t.keys), t.keys
     assert tune_class(64) == tune_class(127) != tune_class(128)
