@@ -302,7 +302,7 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> No
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
-    from model.kernels.triton_gemv import _w4a16_gemv_tuned, _w4a16_gemv_v4_tuned
+    from model.kernels.triton_gemv import _w4a16_gemv_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
@@ -322,8 +322,7 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> No
                 lambda: [nvfp4_linear_triton(x, *w, variant=variant) for w in ws], reps=R
             )
             is_fma = variant != "v2" and m <= GEMV_MAX_ROWS
-            fma_tuner = _w4a16_gemv_v4_tuned if variant == "v4" else _w4a16_gemv_tuned
-            tuner = fma_tuner if is_fma else _nvfp4_moe_tuned
+            tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
             record(
                 "gemv",
                 shape,

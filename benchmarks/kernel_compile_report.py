@@ -212,11 +212,8 @@ def report(case: Case, n_ops: int = 10) -> dict:
     row["load_layouts"] = load_layouts(k.asm["ttgir"])
     row["blocks_sm"] = blocks_per_sm(row["regs"], row["shared"], case.num_warps)
     if case.tile_bytes:
-        # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded,
-        # two where the kernel prefetches the next one into registers itself).
+        # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded).
         depth = int(row["pipe"].split("x")[-1]) if row["pipe"].startswith("async") else 1
-        if case.consts.get("PREFETCH"):
-            depth, row["pipe"] = 2 * depth, row["pipe"] + "+pf"
         row["inflight_kb"] = round(row["blocks_sm"] * depth * case.tile_bytes / 1024, 1)
     if case.elems:
         row["per_elem"] = round(sc["loop"] / case.elems, 2)
@@ -233,15 +230,14 @@ def gemv_cases() -> list[Case]:
     ptrs = dict(
         x_ptr="bf16", w_ptr="i32", s_ptr="u8", sc2_ptr="fp32", out_ptr="bf16", part_ptr="fp32", cnt_ptr="i32"
     )
-    for cfg in m._GEMV_CONFIGS + m._GEMV_V4_CONFIGS:
+    for cfg in m._GEMV_CONFIGS:
         for mr in (1, 4):
             kw = cfg.kwargs
-            version = "v4" if kw.get("PREFETCH") else "v3"
             out.append(
                 Case(
-                    f"gemv {version} fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
+                    f"gemv v3 fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
                     m._w4a16_gemv_kernel,
-                    {"MR": mr, "HW": True, "PREFETCH": False, **kw},
+                    {"MR": mr, "HW": True, **kw},
                     ptrs,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
