@@ -122,8 +122,7 @@ def _index_scores_kernel(
         is_vis = tok_s <= pos
         if IS_F16:
             # Unmasked: a visible block's page is allocated, and keys past pos are dropped below.
-            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, is_vis, C,
-                                          PAGE, False, False, HW)  # fmt: skip
+            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, C, PAGE, HW)
             scores_ns = dot_f16(q_nc, tl.trans(keys_sc), HW)
         else:
             keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
