@@ -7,7 +7,7 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v3 v5]   (MoE v6 vs v2: --only moe --variants v6)
+       [--variants v3 v6]   (MoE v6 vs v2: --only moe --variants v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -25,7 +25,6 @@ from model.kernels.sparse_attention import sparse_attention_torch
 from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
 from model.kernels.triton_indexer import (
     _index_scores_tuned,
-    _index_scores_v4_tuned,
     _index_scores_v6_tuned,
     index_select_blocks_triton,
 )
@@ -33,11 +32,7 @@ from model.kernels.triton_kv_append import nvfp4_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
 from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
-from model.kernels.triton_sparse_attention import (
-    _sparse_attn_tuned,
-    _sparse_attn_v4_tuned,
-    sparse_attention_triton,
-)
+from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
@@ -52,21 +47,35 @@ from model.layers.moe import ExpertBank
 # before every repeat, launch cost included), launch-bound below ~150 us. Naive torch baselines
 # (host syncs, not capturable) are eager.
 #
-# `--variants` (indexer / attention / GEMV; default v2 v3): v3 decodes NVFP4 word-wise to fp16, v2
-# byte-wise; v4 keeps more bytes in flight per program (autotuned over its own configurations); v5
-# (indexer / attention) is v3 with coalesced flat-block loads, and its rows record whether its output
-# equals the first version's bit for bit. NVFP4 and FP8 are timed per version (FP8 / bf16 run v3's
-# code under v4); the ratio table prints NVFP4 vs FP8 for each and each later version vs the first.
-# MoE with v6: the routed experts by the v2 tile kernel and by v6 (`model.kernels.triton_moe_gemv`)
-# side by side, routed and layer times per variant, then v6 vs v2.
+# `--variants`: the versions timed side by side, each op taking those it has (OP_VARIANTS; without the
+# flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v3 (NVFP4 decoded
+# word-wise to fp16, the default), v6 (keys on the MMA's M side, the candidate), v2 (byte-wise);
+# later versions record whether their selections equal the baseline's. Attention: v5 (coalesced word
+# loads, the default), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4
+# and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio table
+# prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by the v2
+# tile kernel and by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) side by side,
+# routed and layer times per variant, then v6 vs v2 (v2 is always timed, as the baseline).
 
 ROOFLINE_TBS = 4.17
-VARIANTS = ("v2", "v3", "v4", "v5")  # indexer / attention decode versions that can be timed side by side
-GEMV_VARIANTS = ("v2", "v3", "v4")  # the GEMV has no v5: `--variants` names it are skipped there
-MOE_VARIANTS = ("v2", "v6")  # routed MoE: v6 (grouped FMA GEMV) is timed beside v2 when named
-DEFAULT_VARIANTS = ("v2", "v3")  # without --variants (v3 last: the default dispatch)
+OP_VARIANTS = {
+    "indexer": ("v2", "v3", "v6"),
+    "attention": ("v2", "v5"),
+    "gemv": ("v2", "v3"),
+    "moe": ("v2", "v6"),
+}
+OP_DEFAULTS = {"indexer": ("v3", "v6"), "attention": ("v5",), "gemv": ("v3",), "moe": ("v2", "v6")}
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
+
+
+def op_variants(op: str, named: list[str] | None) -> tuple[str, ...]:
+    """The versions of `op` to time: OP_DEFAULTS[op] without --variants, else the named ones it has in
+    the order named (the MoE always starts with v2, the baseline of its ratio rows)."""
+    if named is None:
+        return OP_DEFAULTS[op]
+    picked = tuple(v for v in named if v in OP_VARIANTS[op])
+    return ("v2", *(v for v in picked if v != "v2")) if op == "moe" else picked
 
 
 def bench(fn, rep_ms: int = 200) -> float:
@@ -155,11 +164,12 @@ def ratio_rows(kernel: str, shape: str, times: dict, variants: tuple, target: fl
 
 
 def run_indexer(
-    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=DEFAULT_VARIANTS
+    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["indexer"]
 ) -> None:
     """Indexer scores + top-k per cache format and decode version (`variant`: v3 decodes NVFP4 keys
-    word-wise to fp16 and autotunes warps / stages; v2 the byte-wise decode, one config). FP8 and bf16
-    keys take the same code in both versions (v3 only tunes their launch). Ratios per version."""
+    word-wise to fp16 and autotunes warps / stages; v6 the keys-on-M kernel, autotuned over
+    V6_CONFIGS; v2 the byte-wise decode, one config). FP8 and bf16 keys take the same code in every
+    version (v2 only leaves their launch untuned). Ratios per version."""
     N, C, page, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
     seq = torch.arange(B, device=device, dtype=torch.int32)
@@ -168,7 +178,7 @@ def run_indexer(
     q = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
     shape = f"B={B} ctx={ctx // 1024}K"
     kw = dict(topk=K, local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
-    times, outs = {}, {}  # outs: each version's output, for the v5 bit-exactness flag
+    times, outs = {}, {}  # outs: each version's selections, compared with the baseline version's
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, page), dtype, C, device)
         scale = torch.tensor(0.01, device=device)
@@ -187,7 +197,7 @@ def run_indexer(
             )
             got = fn()
             extra = {}
-            if variant == "v5" and (dtype, variants[0]) in outs:  # same selections as the baseline version
+            if variant != variants[0] and (dtype, variants[0]) in outs:  # the baseline's selections?
                 extra[f"equal_{variants[0]}"] = bool(torch.equal(got, outs[dtype, variants[0]]))
             outs[dtype, variant] = got
             if want is not None:
@@ -199,10 +209,7 @@ def run_indexer(
             extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
             if t_torch is not None:
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-            tuner = {"v4": _index_scores_v4_tuned, "v6": _index_scores_v6_tuned}.get(
-                variant, _index_scores_tuned
-            )
-            tuner = tuner if dtype == "nvfp4" else _index_scores_tuned
+            tuner = _index_scores_v6_tuned if variant == "v6" and dtype == "nvfp4" else _index_scores_tuned
             extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
     ratio_rows("indexer", shape, times, variants, target=1.7)
@@ -227,11 +234,12 @@ def naive_selected_attention(q, kv: PagedKV, table, pos, sel, scale):
 
 
 def run_attention(
-    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=DEFAULT_VARIANTS
+    cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["attention"]
 ) -> None:
-    """Sparse attention decode per cache format and version (v3: NVFP4 pages decoded word-wise to fp16
-    e4m3 values, fp16 dots; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the same code in
-    both), each with its own autotune pick. Ratios NVFP4 vs FP8 per version, and v3 vs v2."""
+    """Sparse attention decode per cache format and version (v5: NVFP4 pages decoded by coalesced word
+    loads to fp16 e4m3 values, fp16 dots; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the
+    same code in both), each with its own autotune pick. Ratios NVFP4 vs FP8 per version, and each
+    later version vs the first."""
     H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     page, K = cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
@@ -250,7 +258,7 @@ def run_attention(
     sel = sels[0]
     q = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
     shape = f"B={B} ctx={ctx // 1024}K"
-    times, outs = {}, {}  # outs: each version's output, for the v5 bit-exactness flag
+    times = {}
     for dtype in ("nvfp4", "fp8", "bf16"):
         pages = random_pages((n_pages, 2 * N, page), dtype, C, device)
         kv = PagedKV(pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C)
@@ -263,10 +271,6 @@ def run_attention(
             )
             got = fn()
             err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            extra = {}
-            if variant == "v5" and (dtype, variants[0]) in outs:  # bit for bit the baseline version's output
-                extra[f"equal_{variants[0]}"] = bool(torch.equal(got, outs[dtype, variants[0]]))
-            outs[dtype, variant] = got
             t_eager = bench(fn)
             times[dtype, variant] = bench_graph(
                 lambda: [
@@ -277,11 +281,9 @@ def run_attention(
                 ],
                 reps=R,
             )
-            tuner = _sparse_attn_v4_tuned if variant == "v4" and dtype == "nvfp4" else _sparse_attn_tuned
-            cfg_str = str(getattr(tuner, "best_config", None))
+            cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
             record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
-                   rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1),
-                   **extra)  # fmt: skip
+                   rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
         record("attention", shape, f"naive-gather {dtype}", t_naive, n_bytes,
                speedup_triton_eager=round(t_naive / t_eager, 2))  # fmt: skip
@@ -302,16 +304,15 @@ def random_nvfp4(E: int, n_out: int, n_in: int, device) -> tuple:
     return packed, scales, torch.full((E,), 1e-3, device=device)
 
 
-def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> None:
-    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel; v4: with the weight prefetch) and
-    v2 (tile kernel for every m),
+def run_gemv(device, D: int = 6144, R: int = 8, variants=OP_DEFAULTS["gemv"]) -> None:
+    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel) and v2 (tile kernel for every m),
     vs torch bf16 F.linear, all graph-timed over R rotated weight copies (NVFP4: R x 21 MB, bf16: R x
     75 MB, so no replay reads its weights from L2), plus the eager (host-launched) times."""
     ws = [tuple(t[0] for t in random_nvfp4(1, D, D, device)) for _ in range(R)]
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
-    from model.kernels.triton_gemv import _w4a16_gemv_tuned, _w4a16_gemv_v4_tuned
+    from model.kernels.triton_gemv import _w4a16_gemv_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
@@ -331,8 +332,7 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=DEFAULT_VARIANTS) -> No
                 lambda: [nvfp4_linear_triton(x, *w, variant=variant) for w in ws], reps=R
             )
             is_fma = variant != "v2" and m <= GEMV_MAX_ROWS
-            fma_tuner = _w4a16_gemv_v4_tuned if variant == "v4" else _w4a16_gemv_tuned
-            tuner = fma_tuner if is_fma else _nvfp4_moe_tuned
+            tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
             record(
                 "gemv",
                 shape,
@@ -460,10 +460,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
-    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=[*VARIANTS, "v6"],
-                    help="indexer / attention / gemv versions to time side by side (the first is the "
-                         "baseline of the ratio rows); v6: the indexer's keys-on-M kernel and the MoE's "
-                         "routed v6 beside v2")  # fmt: skip
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"],
+                    help="versions to time side by side, each op taking those it has (indexer v2 v3 v6, "
+                         "attention v2 v5, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
+                         "ratio rows); default: indexer v3 v6, attention v5, gemv v3, moe v2 v6")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json
@@ -480,26 +480,24 @@ def main() -> None:
     only = set(args.only or ["append", "indexer", "attention", "gemv", "moe"])
     contexts = args.contexts or ([32768] if args.quick else [32768, 131072])
     t0 = time.time()
-    kv_variants = tuple(v for v in args.variants if v in VARIANTS)  # attention: v2..v5
-    index_variants = tuple(v for v in args.variants if v in (*VARIANTS, "v6"))  # indexer v6: keys on M
-    if not kv_variants:
-        only -= {"attention"}
+    variants = {op: op_variants(op, args.variants) for op in OP_VARIANTS}
+    only -= {op for op, names in variants.items() if not names}  # none of the named versions exist there
     if "append" in only:
         run_append(cfg, device)
     for B in args.batches:
         for ctx in contexts:
             small = B * ctx <= 64 * 32768
-            if "indexer" in only and index_variants:
-                run_indexer(cfg, B, ctx, device, with_torch=small, variants=index_variants)
+            if "indexer" in only:
+                run_indexer(cfg, B, ctx, device, with_torch=small, variants=variants["indexer"])
             if "attention" in only:
-                run_attention(cfg, B, ctx, device, with_torch=small and B == 1, variants=kv_variants)
+                run_attention(
+                    cfg, B, ctx, device, with_torch=small and B == 1, variants=variants["attention"]
+                )
             torch.cuda.empty_cache()
     if "gemv" in only:
-        gemv_variants = tuple(v for v in args.variants if v in GEMV_VARIANTS)
-        if gemv_variants:
-            run_gemv(device, cfg.hidden_size, variants=gemv_variants)
+        run_gemv(device, cfg.hidden_size, variants=variants["gemv"])
     if "moe" in only:
-        run_moe_layer(cfg, device, variants=tuple(v for v in MOE_VARIANTS if v == "v2" or v in args.variants))
+        run_moe_layer(cfg, device, variants=variants["moe"])
     print_ratio_table()
     print(f"total {time.time() - t0:.0f} s")
 

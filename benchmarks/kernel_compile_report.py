@@ -212,11 +212,8 @@ def report(case: Case, n_ops: int = 10) -> dict:
     row["load_layouts"] = load_layouts(k.asm["ttgir"])
     row["blocks_sm"] = blocks_per_sm(row["regs"], row["shared"], case.num_warps)
     if case.tile_bytes:
-        # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded,
-        # two where the kernel prefetches the next one into registers itself).
+        # Tiles in flight per program: the pipeliner's buffer depth (a sync loop: the one being loaded).
         depth = int(row["pipe"].split("x")[-1]) if row["pipe"].startswith("async") else 1
-        if case.consts.get("PREFETCH"):
-            depth, row["pipe"] = 2 * depth, row["pipe"] + "+pf"
         row["inflight_kb"] = round(row["blocks_sm"] * depth * case.tile_bytes / 1024, 1)
     if case.elems:
         row["per_elem"] = round(sc["loop"] / case.elems, 2)
@@ -233,15 +230,14 @@ def gemv_cases() -> list[Case]:
     ptrs = dict(
         x_ptr="bf16", w_ptr="i32", s_ptr="u8", sc2_ptr="fp32", out_ptr="bf16", part_ptr="fp32", cnt_ptr="i32"
     )
-    for cfg in m._GEMV_CONFIGS + m._GEMV_V4_CONFIGS:
+    for cfg in m._GEMV_CONFIGS:
         for mr in (1, 4):
             kw = cfg.kwargs
-            version = "v4" if kw.get("PREFETCH") else "v3"
             out.append(
                 Case(
-                    f"gemv {version} fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
+                    f"gemv v3 fma MR={mr} BN={kw['BN']} BK={kw['BK']} SPLIT_K={kw['SPLIT_K']}",
                     m._w4a16_gemv_kernel,
-                    {"MR": mr, "HW": True, "PREFETCH": False, **kw},
+                    {"MR": mr, "HW": True, **kw},
                     ptrs,
                     num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages,
@@ -340,7 +336,6 @@ def indexer_cases() -> list[Case]:
 
     out = []
     for fmt, label, v3 in (
-        (2, "nvfp4 v5", True),
         (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
@@ -348,8 +343,7 @@ def indexer_cases() -> list[Case]:
     ):
         ptrs = dict(q_ptr="bf16", pages_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", scale_ptr="fp32", out_ptr="fp32")  # fmt: skip
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3,
-                      V5=label.endswith("v5"))  # fmt: skip
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3)
         # elems: key values per thread per page (128 keys x 128 dims over the threads). NVFP4 rows are
         # 72 bytes: Triton gets no divisibility hint for their stride (not a multiple of 16).
         div = {"stride_ps": 1} if fmt == 2 else {}
@@ -359,18 +353,9 @@ def indexer_cases() -> list[Case]:
             out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
                             num_stages=st, elems=128 * 128 // (32 * w), divisibility=div,
                             tile_bytes=128 * (72, 128, 256)[2 - fmt]))  # fmt: skip
-    # v4: the tuned configurations plus the neighbours they were chosen from (V4_CONFIGS_WHY).
+    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
     ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
                 out_ptr="fp32")  # fmt: skip
-    extra = [(1, 4, 4), (1, 8, 5), (2, 4, 3), (2, 4, 5), (2, 8, 1), (2, 8, 3), (2, 8, 7), (4, 8, 1),
-             (4, 8, 5)]  # fmt: skip
-    for ppi, w, st in list(ix.V4_CONFIGS) + extra:
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, HW=True, PPI=ppi)
-        tag = "" if (ppi, w, st) in ix.V4_CONFIGS else " (not tuned)"
-        out.append(Case(f"indexer nvfp4 v4 PPI={ppi}{tag}", ix._index_scores_v4_kernel, consts, ptrs,
-                        num_warps=w, num_stages=st, elems=ppi * 128 * 128 // (32 * w),
-                        divisibility={"stride_ps": 1}, tile_bytes=ppi * 128 * 72))  # fmt: skip
-    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
     consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
     for sub, w, st in ix.V6_CONFIGS:
         out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},
@@ -385,22 +370,18 @@ def attention_cases() -> list[Case]:
     from model.kernels import triton_sparse_attention as sa
 
     out = []
-    for fmt, label, v3 in (
+    for fmt, label, v5 in (
         (2, "nvfp4 v5", True),
-        (2, "nvfp4 v4", True),
-        (2, "nvfp4 v3", True),
         (2, "nvfp4 v2", False),
         (1, "fp8", False),
         (0, "bf16", False),
     ):
-        # v4: the v3 kernel over its own (deeper-pipelined) configurations.
-        tuner = sa._sparse_attn_v4_tuned if label.endswith("v4") else sa._sparse_attn_tuned
         ptrs = dict(q_ptr="bf16", kv_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", sel_ptr="i64", kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16",
                     part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
-        for cfg in tuner.configs:
+        for cfg in sa._sparse_attn_tuned.configs:
             consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
-                          IS_SPLIT=True, HW=True, V3=v3, V5=label.endswith("v5"), **cfg.kwargs)  # fmt: skip
+                          IS_SPLIT=True, HW=True, V5=v5, **cfg.kwargs)  # fmt: skip
             sub = cfg.kwargs["SUB"]
             # elems: K plus V values per thread per SUB-token step; NVFP4 rows are 72 bytes (no hint).
             div = {"stride_ks": 1} if fmt == 2 else {}

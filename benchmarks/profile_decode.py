@@ -10,6 +10,8 @@ script: decode_kernels.py times hundreds of launches (autotune, graphs, baseline
 replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GEMV 6144 x 6144).
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv] [--batch 64] [--context 131072]
+       [--variants v3 v6]   (each op profiles the named versions it has, else its default: indexer v3,
+       attention v5)
 """
 
 import argparse
@@ -28,7 +30,7 @@ from model.kernels.triton_sparse_attention import sparse_attention_triton
 from model.kv_cache import PagedKV
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from decode_kernels import random_nvfp4, random_pages, tables
+from decode_kernels import OP_VARIANTS, random_nvfp4, random_pages, tables
 
 
 def main() -> None:
@@ -36,7 +38,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["indexer", "attention", "gemv"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--variants", nargs="*", default=["v3"])
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"])
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -46,6 +48,11 @@ def main() -> None:
     seq = torch.arange(B, device=device, dtype=torch.int32)
     pos = torch.full((B,), ctx - 1, device=device, dtype=torch.int64)
     launches = []  # (name, fn): warmed up first, then profiled once each
+
+    def versions(op: str, default: str) -> list[str]:
+        picked = [v for v in args.variants or [] if v in OP_VARIANTS[op]]
+        return picked or [default]
+
     if "indexer" in args.only:
         N, C = cfg.index_n_heads, cfg.index_head_dim
         q_i = torch.randn(B, N, C, device=device, dtype=torch.bfloat16)
@@ -55,7 +62,7 @@ def main() -> None:
         scale = torch.tensor(0.01, device=device)
         for dtype in ("nvfp4", "fp8"):
             pages = random_pages((n_pages, cfg.index_block_size), dtype, C, device)
-            for v in args.variants:
+            for v in versions("indexer", "v3"):
                 fn = lambda p=pages, d=dtype, v=v: index_select_blocks_triton(
                     q_i, p, d, scale, table, seq, pos, **kw, variant=v
                 )
@@ -73,7 +80,7 @@ def main() -> None:
             kv = PagedKV(
                 pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C
             )
-            for v in args.variants:
+            for v in versions("attention", "v5"):
                 fn = lambda kv=kv, v=v: sparse_attention_triton(
                     q_a, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=v
                 )

@@ -3,8 +3,9 @@
 Why a module of its own: the KV append, indexer, sparse-attention and MoE kernels all decode E2M1
 nibbles and round fp32 to E4M3 / bf16, and each must do it as `model.nvfp4` does, bit for bit. E2M1
 decodes without tables by the bit trick of docs/FACTS.md, "Kernel facts" (callers fold 2^6 into the
-block scale); `load_nvfp4_tile_f16` (v3) and `load_nvfp4_tile_f16_v5` (v5, a flat row * 8 + block
-index so a warp's word loads cover whole rows) decode 16-value blocks in inline PTX.
+block scale); `load_nvfp4_tile_f16` (the indexer's v3) and `load_nvfp4_tile_f16_v5` (the attention's
+v5: a flat row * 8 + block index so a warp's word loads cover whole rows) decode 16-value blocks in
+inline PTX.
 
 Invariants: every rounding cast is round-to-nearest-even in both implementations chosen by the
 constexpr `HW` (the hardware `cvt.rn.satfinite` when compiled for a GPU; integer bit manipulation in
@@ -335,13 +336,11 @@ def _join_tree16(o):
 
 
 @triton.jit
-def load_nvfp4_tile_f16(base_ptr, row_off, is_row, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
-                        MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+def load_nvfp4_tile_f16(base_ptr, row_off, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):
     """v3 of `load_nvfp4_tile`: NVFP4 rows at base_ptr + row_off (bytes, [ROWS]) -> fp16 [ROWS, C] of
-    e2m1 * block_scale (ROUND: rounded to e4m3 as `nvfp4_tile_to_fp8` does), global scale left to the
-    caller. MASKED: rows with is_row False read as zeros (else every row is read: callers that drop
-    such rows later save the predicates). C must be 128 (72-byte rows); base_ptr and every row_off
-    must be multiples of 8 bytes: a row's 8 scale bytes are one int64 load.
+    e2m1 * block_scale, global scale left to the caller. Every row is read, unmasked (the caller drops
+    rows past its keys afterwards, saving the predicates). C must be 128 (72-byte rows); base_ptr and
+    every row_off must be multiples of 8 bytes: a row's 8 scale bytes are one int64 load.
 
     Layout notes (compile report): 72-byte row strides are not multiples of 16, so Triton gets no
     alignment for them and split the word loads into bytes put back together by PRMT (7.6 instead of
@@ -357,17 +356,13 @@ def load_nvfp4_tile_f16(base_ptr, row_off, is_row, C: tl.constexpr, ROWS: tl.con
     word_ptrs = (base_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + word_off[:, None, None]
                  + offs_b[None, :, None] * 2 + offs_w[None, None, :])  # fmt: skip
     s_ptrs = base_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (row_off + C // 2) // 8
-    if MASKED:
-        words = tl.load(word_ptrs, mask=is_row[:, None, None], other=0)
-        s_row = tl.load(s_ptrs, mask=is_row, other=0)
-    else:
-        words = tl.load(word_ptrs)
-        s_row = tl.load(s_ptrs)
+    words = tl.load(word_ptrs)
+    s_row = tl.load(s_ptrs)
     w0, w1 = tl.split(words)  # [ROWS, NB] each: elements 0-7 and 8-15 of every block
     s_bits = (s_row[:, None] >> (8 * offs_b[None, :])).to(tl.int32)  # the block's byte in bits 0-7
     if not HW:
         s_bits = s_bits & 0xFF  # the asm reads only byte 0
-    o = nvfp4_block_f16(w0, w1, s_bits, ROUND, HW)
+    o = nvfp4_block_f16(w0, w1, s_bits, False, HW)
     return tl.reshape(_join_tree16(o), (ROWS, C))
 
 
@@ -385,11 +380,12 @@ def dot_f16(a, b, HW: tl.constexpr):
 @triton.jit
 def load_nvfp4_tile_f16_v5(base_ptr, n_valid, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
                            MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """v5 of `load_nvfp4_tile_f16`: the same values (bit for bit), for ROWS packed rows at base_ptr +
-    r * (C / 2 + C / 16) bytes (base_ptr a multiple of 8, C = 128: 72-byte rows). MASKED: rows
-    r >= n_valid (a scalar; <= 0: none) read as zeros, else every row is read. The row stride is a
-    constant so that a thread's rows are immediate offsets of one address; the mask is a scalar bound
-    so that no per-row tensor enters the decode (see below).
+    """v5 of `load_nvfp4_tile_f16`: its values (bit for bit; ROUND: rounded to e4m3 as
+    `nvfp4_tile_to_fp8` does), for ROWS packed rows at base_ptr + r * (C / 2 + C / 16) bytes
+    (base_ptr a multiple of 8, C = 128: 72-byte rows). MASKED: rows r >= n_valid (a scalar; <= 0:
+    none) read as zeros, else every row is read. The row stride is a constant so that a thread's rows
+    are immediate offsets of one address; the mask is a scalar bound so that no per-row tensor enters
+    the decode (see below).
 
     Why (ncu on the H200, Triton 3.6): v3's [ROWS, NB, 2] word load came out with one thread per row
     (8 x LDG.E.64 at +0, +8, ... +56: 8 of every 32 sector bytes used, L1/TEX 79% busy) and its tile

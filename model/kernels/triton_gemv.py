@@ -4,8 +4,8 @@ Why: a decode step multiplies each dense NVFP4 weight by 1-4 rows, and the tenso
 is 16, so the tile kernel of model/kernels/triton_moe.py spends most of its instructions preparing
 operands for one useful multiply. Here int32 weight words are decoded straight into fp32 FMAs (three
 integer ops per weight, block scale per 16 products) and K is split so a 6144-row matrix fills every
-SM. `nvfp4_linear_triton(..., variant=)`: "v3" for T <= GEMV_MAX_ROWS (the tile kernel above), "v2"
-the tile kernel always, "v4" v3 with a next-K-step prefetch (both measured no faster, kept opt-in).
+SM. `nvfp4_linear_triton(..., variant=)`: "v3" (default) for T <= GEMV_MAX_ROWS (the tile kernel
+above), "v2" the tile kernel always (the baseline benchmarks time). History: benchmarks/RESULTS.md.
 
 Invariants: no host sync (CUDA-graph safe); splits reduced in the launch by the last-arriving program
 in split order (deterministic), every launch leaving its tile counters at 0; the result is the
@@ -30,9 +30,8 @@ from model.kernels.triton_moe import _launch, _parts, split_planes
 # Legend: T rows, N output features, K input features, BN / BK tile sizes, MR rows per program.
 # `_w4a16_gemv_kernel`: grid (N / BN, SPLIT_K); weights decoded by `e2m1_nibble_f32_x2p126`.
 
-GemvVariant = Literal["v4", "v3", "v2"]
-"""v4: v3 with the next weight tile prefetched (PREFETCH); v3: split-K FMA GEMV for T <= GEMV_MAX_ROWS;
-v2: the MoE module's tile kernel for every T."""
+GemvVariant = Literal["v3", "v2"]
+"""v3: split-K FMA GEMV for T <= GEMV_MAX_ROWS; v2: the MoE module's tile kernel for every T."""
 
 # For m <= 4 rows the tensor core has nothing to do (its M is 16): the v2 tile kernel spends ~17 SASS
 # per weight element on byte extraction, the fp8 convert chain, a bf16 pack and its shared-memory
@@ -105,14 +104,9 @@ def _w4a16_gemv_kernel(
     out_ptr, stride_om, part_ptr, cnt_ptr,
     n_rows, n_out, n_in,
     MR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, HW: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """y [n_rows <= MR, n_out] = x @ W.T, W as int32 words [n_out, n_in / 8] + e4m3 scale bytes; grid
-    (n_out / BN, SPLIT_K): program (n, k) owns rows n * BN.. of W over the k-th K range.
-    PREFETCH (v4): the next K step's weight words and scales are loaded (into registers) before the
-    current step's FMAs, so two tiles per program are in flight and their latency overlaps the math.
-    Triton's pipeliner does not do this itself here (the compile report shows these loads "sync" at
-    any num_stages: it only pipelines loads that feed a dot)."""
+    (n_out / BN, SPLIT_K): program (n, k) owns rows n * BN.. of W over the k-th K range."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB: tl.constexpr = BK // 16
@@ -135,22 +129,10 @@ def _w4a16_gemv_kernel(
     acc1 = tl.zeros((BN, NB), tl.float32)
     acc2 = tl.zeros((BN, NB), tl.float32)
     acc3 = tl.zeros((BN, NB), tl.float32)
-    if PREFETCH:
-        is_nxt = k_begin + offs_b * 16 < k_end
-        w_nxt = tl.load(w_ptrs + k_begin // 8, mask=is_n[:, None, None] & is_nxt[None, :, None], other=0)
-        s_nxt = tl.load(s_ptrs + k_begin // 16, mask=is_n[:, None] & is_nxt[None, :], other=0)
     for k0 in range(k_begin, k_end, BK):
         is_blk = k0 + offs_b * 16 < k_end
-        if PREFETCH:
-            w_nbw, s_bits = w_nxt, s_nxt
-            is_nxt = k0 + BK + offs_b * 16 < k_end  # all False on the last step: no memory access
-            w_nxt = tl.load(
-                w_ptrs + (k0 + BK) // 8, mask=is_n[:, None, None] & is_nxt[None, :, None], other=0
-            )
-            s_nxt = tl.load(s_ptrs + (k0 + BK) // 16, mask=is_n[:, None] & is_nxt[None, :], other=0)
-        else:
-            w_nbw = tl.load(w_ptrs + k0 // 8, mask=is_n[:, None, None] & is_blk[None, :, None], other=0)
-            s_bits = tl.load(s_ptrs + k0 // 16, mask=is_n[:, None] & is_blk[None, :], other=0)
+        w_nbw = tl.load(w_ptrs + k0 // 8, mask=is_n[:, None, None] & is_blk[None, :, None], other=0)
+        s_bits = tl.load(s_ptrs + k0 // 16, mask=is_n[:, None] & is_blk[None, :], other=0)
         s_nb = s_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         acc0 += _fma_row_blocks(x_ptr, 0, n_rows, k0, w_nbw, s_nb, is_blk, NB)
         if MR > 1:
@@ -181,32 +163,7 @@ _GEMV_CONFIGS = [
 _w4a16_gemv_tuned = triton.autotune(_GEMV_CONFIGS, key=["n_out", "n_in", "n_rows"], do_bench=safe_do_bench)(
     _w4a16_gemv_kernel
 )
-# v4: PREFETCH (two weight tiles in flight per program). Offline sm_90 (compile report, KB/SM = programs
-# per SM x 2 tiles x tile bytes): v3's (16, 512, 4) at m = 1 keeps 7 programs x 4.5 KB = 31.5 KB of
-# weights in flight per SM and only while it waits (no overlap with its FMAs: 25% of roofline on the
-# H200); see V4_GEMV_WHY for the picks.
-_GEMV_V4_CONFIGS = [
-    triton.Config({"BN": bn, "BK": bk, "SPLIT_K": sk, "PREFETCH": True}, num_warps=w, num_stages=1)
-    for bn, bk, sk, w in [(16, 512, 4, 4), (16, 512, 2, 4), (16, 256, 4, 2), (16, 1024, 4, 4)]
-]
-V4_GEMV_WHY = """At m = 1: (16, 512, 4 or 2 splits, 4 warps) v3's best tile with the prefetch, 96 registers,
-5 programs x 2 x 4.5 KB = 45 KB/SM; (16, 256, 4, 2 warps) 10 x 2 x 2.25 KB = 45 KB with smaller
-steps (more of them per program: the prefetch hides all but the first); (16, 1024, 4, 4) 158
-registers, 3 x 2 x 9 KB = 54 KB, pruned above 1 row (spills 44 B at MR = 4)."""
-
-
-def _prune_gemv_v4(configs, named_args, **kwargs):
-    """Drop the 16 x 1024 step above one row: it spills at MR = 4 (compile report)."""
-    if named_args["n_rows"] == 1:
-        return configs
-    return [c for c in configs if c.kwargs["BN"] * c.kwargs["BK"] < 16 * 1024]
-
-
-_w4a16_gemv_v4_tuned = triton.autotune(
-    _GEMV_V4_CONFIGS, key=["n_out", "n_in", "n_rows"], do_bench=safe_do_bench,
-    prune_configs_by={"early_config_prune": _prune_gemv_v4},
-)(_w4a16_gemv_kernel)  # fmt: skip
-MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _GEMV_CONFIGS + _GEMV_V4_CONFIGS)
+MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _GEMV_CONFIGS)
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -225,9 +182,8 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _launch_gemv(x, w, out, n_rows, *, bn=16, bk=512, split_k=2, prefetch=False):
-    """v3 GEMV launch (v4 with `prefetch`): autotuned when compiled at decode sizes, the given tile
-    elsewhere (tests)."""
+def _launch_gemv(x, w, out, n_rows, *, bn=16, bk=512, split_k=2):
+    """v3 GEMV launch: autotuned when compiled at decode sizes, the given tile elsewhere (tests)."""
     (w_p, w_s, w_2) = w
     _, N, KW = w_p.shape
     mr = 1 if n_rows == 1 else 2 if n_rows == 2 else 4
@@ -236,11 +192,10 @@ def _launch_gemv(x, w, out, n_rows, *, bn=16, bk=512, split_k=2, prefetch=False)
     args = (x, x.stride(0), w_p, w_p.stride(1), w_s, w_s.stride(1), w_2, out, out.stride(0), part, counters,
             n_rows, N, 8 * KW)  # fmt: skip
     if use_hw_casts() and N * 8 * KW >= 1 << 20:
-        tuner = _w4a16_gemv_v4_tuned if prefetch else _w4a16_gemv_tuned
-        tuner[lambda m: (triton.cdiv(N, m["BN"]), m["SPLIT_K"])](*args, MR=mr, HW=True)
+        _w4a16_gemv_tuned[lambda m: (triton.cdiv(N, m["BN"]), m["SPLIT_K"])](*args, MR=mr, HW=True)
     else:
         _w4a16_gemv_kernel[(triton.cdiv(N, bn), split_k)](*args, MR=mr, BN=bn, BK=bk, SPLIT_K=split_k,
-                                                          HW=use_hw_casts(), PREFETCH=prefetch)  # fmt: skip
+                                                          HW=use_hw_casts())  # fmt: skip
 
 
 @opaque_to_compile
@@ -248,15 +203,18 @@ def nvfp4_linear_triton(x_TK: torch.Tensor, packed_NK2: torch.Tensor, scales_NK1
                         scale_2: torch.Tensor, *, variant: GemvVariant = "v3") -> torch.Tensor:  # fmt: skip
     """W4A16 y [T, N] = x @ dequant(W).T (bf16 x, fp32 accumulation, bf16 out): one launch, no
     other device work (decode GEMVs are a few microseconds: any extra op is a measurable share).
-    variant "v3": T <= GEMV_MAX_ROWS runs the split-K FMA GEMV, larger T the v2 tile kernel;
-    "v4": the same with the FMA GEMV's next weight tile prefetched; "v2": the v2 tile kernel for
-    every T (kept so benchmarks time the versions in one run)."""
+    variant "v3": T <= GEMV_MAX_ROWS runs the split-K FMA GEMV, larger T the v2 tile kernel; "v2":
+    the v2 tile kernel for every T (kept so benchmarks time the versions in one run)."""
+    if variant not in GemvVariant.__args__:
+        raise ValueError(
+            f"nvfp4_linear_triton: variant must be one of {GemvVariant.__args__}, got {variant!r}"
+        )
     T = x_TK.shape[0]
     N = packed_NK2.shape[0]
     y = torch.empty((T, N), dtype=torch.bfloat16, device=x_TK.device)
     w = _parts(packed_NK2.unsqueeze(0), scales_NK16.unsqueeze(0), scale_2)
-    if variant in ("v3", "v4") and 0 < T <= GEMV_MAX_ROWS:
-        _launch_gemv(x_TK, w, y, T, prefetch=variant == "v4")
+    if variant == "v3" and 0 < T <= GEMV_MAX_ROWS:
+        _launch_gemv(x_TK, w, y, T)
     else:
         _launch(x_TK, x_TK, x_TK, x_TK, w, w, y, 1, False, False, 0.0, 0.0, n_rows=T, linear=True)
     return y

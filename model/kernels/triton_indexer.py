@@ -3,13 +3,13 @@
 Why: the indexer reads every cached index key at every decode step, so it is bound by HBM bytes
 (NVFP4 keys are 72 B/token against FP8's 128 B). Keys are read once per query row (all index heads
 together), dequantized in registers, and only per-block maxima leave the chip; the context is split
-over programs so that batch 1 still fills the GPU. `variant=` picks v3 (default: word-wise NVFP4
-decode to fp16, one fp16 dot per page), v2 (byte-wise, bf16 dot), v4 (several pages per
-iteration) or v5 (coalesced word loads); v2, v4, v5 were measured slower or level and stay opt-in.
+over programs so that batch 1 still fills the GPU. NVFP4 keys of head dim 128 are decoded word-wise
+to fp16 (v3, the default); `variant="v6"` (opt-in, not yet timed) keeps them in registers on the
+MMA's M side; the byte-wise decode ("v2") serves every other head dim. History: benchmarks/RESULTS.md.
 
 Invariants: semantics are `model.kernels.indexer`'s (docs/FACTS.md, "MSA and the lightning
 indexer"); scores equal the reference's up to fp32 summation order, selections equal it except at
-exact near-ties; v5's scores are v3's bit for bit. History: benchmarks/RESULTS.md.
+exact near-ties.
 """
 
 from typing import Literal
@@ -24,7 +24,6 @@ from model.kernels.triton_common import (
     f32_to_bf16,
     load_nvfp4_tile,
     load_nvfp4_tile_f16,
-    load_nvfp4_tile_f16_v5,
     num_sms,
     opaque_to_compile,
     safe_do_bench,
@@ -34,11 +33,9 @@ from model.kernels.triton_common import (
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v6", "v5", "v4", "v3", "v2"]
-"""v5: v3 with the coalesced flat-block decode (`load_nvfp4_tile_f16_v5`); v4: v3's decode over PPI
-pages per loop iteration (more key bytes in flight per program); v3: NVFP4 keys decoded word-wise to
-fp16 (`load_nvfp4_tile_f16`); v2: the byte-wise decode."""
-V4_PPI = (1, 2, 4)  # pages per iteration the v4 kernel is built for
+DecodeVariant = Literal["v6", "v3", "v2"]
+"""v6: NVFP4 keys on the MMA's M side, decoded in registers (opt-in); v3: NVFP4 keys decoded
+word-wise to fp16 (`load_nvfp4_tile_f16`, the default); v2: the byte-wise decode."""
 V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
 
 
@@ -92,7 +89,7 @@ def _index_scores_kernel(
     out_ptr, stride_ot, stride_on,
     BPS, tune_class,
     N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
-    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr, V5: tl.constexpr,
+    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -125,13 +122,7 @@ def _index_scores_kernel(
         is_vis = tok_s <= pos
         if IS_F16:
             # Unmasked: a visible block's page is allocated, and keys past pos are dropped below.
-            if V5:
-                keys_sc = load_nvfp4_tile_f16_v5(
-                    pages_ptr + page * stride_pp, PAGE, C, PAGE, False, False, HW
-                )
-            else:
-                keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, is_vis, C,
-                                              PAGE, False, False, HW)  # fmt: skip
+            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, C, PAGE, HW)
             scores_ns = dot_f16(q_nc, tl.trans(keys_sc), HW)
         else:
             keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
@@ -142,59 +133,6 @@ def _index_scores_kernel(
         # The scale (> 0) is applied after the max: the same value, one multiply per head per block.
         best_n = tl.max(tl.where(is_vis[None, :], scores_ns, float("-inf")), axis=1) * g_n
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
-
-
-@triton.jit
-def _index_scores_v4_kernel(
-    q_ptr, stride_qt, stride_qn,
-    pages_ptr, stride_pp, stride_ps,
-    bt_ptr, stride_bb, seq_ptr, pos_ptr, scale_ptr,
-    out_ptr, stride_ot, stride_on,
-    P, tune_class,
-    N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr, HW: tl.constexpr,
-    PPI: tl.constexpr,
-):  # fmt: skip
-    """v4 (NVFP4 keys, C = 128, bf16 queries): as `_index_scores_kernel` with V3, but each iteration
-    reads PPI pages as one [PPI * PAGE] row tile (per-row page bases from the block table), decodes
-    them and does one [N, C] x [C, PPI * PAGE] dot. Why: v3's loop keeps one 9 KB page in flight per
-    program (its TTGIR has one buffer and waits for it before decoding: the indirect block-table load
-    takes a pipeline stage), half FP8's 16 KB, so at equal occupancy it moves half the bytes.
-    Blocks per split = ceil(ceil(P / splits) / PPI) * PPI, computed here from the grid so that an
-    autotuned PPI needs no host-side argument (`plan_splits_v4` is the host twin)."""
-    pid_t = tl.program_id(0)
-    bps = tl.cdiv(tl.cdiv(P, tl.num_programs(1)), PPI) * PPI
-    blk0 = tl.program_id(1) * bps
-    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
-    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
-    n_blk = tl.minimum(bps, pos // PAGE + 1 - blk0)  # blocks past the query's own are not candidates
-
-    ROWS: tl.constexpr = PPI * PAGE
-    offs_n = tl.arange(0, N_P2)
-    offs_c = tl.arange(0, C)
-    offs_r = tl.arange(0, ROWS)  # row r: token r % PAGE of page r // PAGE of this iteration
-    offs_j = tl.arange(0, PPI)
-    is_head = offs_n < N
-    q_nc = tl.load(q_ptr + pid_t * stride_qt + offs_n[:, None] * stride_qn + offs_c[None, :],
-                   mask=is_head[:, None], other=0.0)  # fmt: skip
-    q_nc, inv_n = _q_to_f16(q_nc.to(tl.float32))
-    g_n = inv_n * tl.load(scale_ptr).to(tl.float32)
-    for i in range(0, tl.cdiv(n_blk, PPI)):
-        j_r = i * PPI + offs_r // PAGE  # block of each row, relative to blk0
-        is_blk_r = j_r < n_blk
-        # Block-table entries first (one per row, the PPI distinct ones hit L1), then every page's
-        # code words and scales in one load, so PPI pages are in flight before any decode. Rows of
-        # blocks outside this split read page 0 (allocated; their scores are dropped), unmasked.
-        page_r = tl.load(bt_ptr + seq * stride_bb + blk0 + j_r, mask=is_blk_r, other=0).to(tl.int64)
-        tok_r = (blk0 + j_r) * PAGE + offs_r % PAGE
-        is_vis = (tok_r <= pos) & is_blk_r
-        keys_rc = load_nvfp4_tile_f16(pages_ptr, page_r * stride_pp + (offs_r % PAGE) * stride_ps, is_vis,
-                                      C, ROWS, False, False, HW)  # fmt: skip
-        scores_nr = dot_f16(q_nc, tl.trans(keys_rc), HW)
-        scores_nr = tl.where(is_vis[None, :], scores_nr, float("-inf"))
-        best_nj = tl.max(tl.reshape(scores_nr, (N_P2, PPI, PAGE)), axis=2) * g_n[:, None]
-        j_j = i * PPI + offs_j
-        tl.store(out_ptr + pid_t * stride_ot + offs_n[:, None] * stride_on + blk0 + j_j[None, :], best_nj,
-                 mask=is_head[:, None] & (j_j < n_blk)[None, :])  # fmt: skip
 
 
 # v6 decode: E2M1 nibbles -> e4m3 bytes worth e2m1 * 2^-6 (docs/FACTS.md, "Kernel facts"), four at
@@ -342,25 +280,9 @@ def _index_topk_kernel(
 # kernel ignores), not by BPS: a decode engine retunes when its work doubles, not at every new width.
 _index_scores_tuned = triton.autotune(
     [triton.Config({}, num_warps=w, num_stages=st) for w, st in [(4, 3), (4, 1), (8, 3)]],
-    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3", "V5"],
+    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3"],
     do_bench=safe_do_bench,
 )(_index_scores_kernel)
-
-# v4 configurations (PPI, warps, stages), chosen offline from the compile report (regs, shared memory,
-# pipeline buffers; benchmarks/kernel_compile_report.py --groups indexer): see V4_CONFIGS_WHY.
-V4_CONFIGS = ((1, 4, 3), (1, 4, 5), (1, 4, 7), (2, 8, 5))
-V4_CONFIGS_WHY = """Offline (sm_90, Triton 3.9; KB/SM = programs per SM x buffered tiles x tile bytes): v3 and
-(1, 4, 3) keep one 9 KB page per program in flight, 4 programs per SM (46 KB shared each, 32 KB of
-it the fp16 key tile staged for the dot): 36 KB/SM against FP8's 64 KB. The pipeliner buffers the
-indirect (block-table -> page) load twice only from 5 stages: (1, 4, 5) 4 x 2 x 9 KB = 72 KB;
-(1, 4, 7) three buffers, 3 programs: 81 KB; (2, 8, 5) two 18 KB tiles, 2 programs: 72 KB. PPI 4
-needs 135-213 KB of shared memory (1 program per SM, <= 72 KB) and is left out of the tuning."""
-V4_DEFAULT = (1, 4, 5)  # untuned launches (interpreter, small batches)
-_index_scores_v4_tuned = triton.autotune(
-    [triton.Config({"PPI": p}, num_warps=w, num_stages=st) for p, w, st in V4_CONFIGS],
-    key=["tune_class", "N", "C", "PAGE"],
-    do_bench=safe_do_bench,
-)(_index_scores_v4_kernel)
 
 
 def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
@@ -369,44 +291,6 @@ def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, 
     splits = max(1, min(n_blocks, -(-target // max(1, n_rows))))
     bps = -(-n_blocks // splits)
     return -(-n_blocks // bps), bps
-
-
-def plan_splits_v4(n_rows: int, n_blocks: int, ppi: int, device: torch.device) -> tuple[int, int]:
-    """v4's (splits, blocks per split): as `plan_splits` with the blocks per split a multiple of `ppi`
-    (the kernel recomputes it from the grid the same way); programs still >= the SMs at n_rows = 1."""
-    target = PROGRAMS_PER_SM * num_sms(device)
-    splits = max(1, min(-(-n_blocks // ppi), -(-target // max(1, n_rows))))
-    per_split = -(-n_blocks // splits)
-    bps = -(-per_split // ppi) * ppi
-    return splits, bps
-
-
-def _launch_v4(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP,
-               ppi: int | None) -> None:  # fmt: skip
-    """v4 scores launch: autotuned over V4_CONFIGS on a GPU at decode size, else `ppi` (default
-    V4_DEFAULT's) with that configuration's warps / stages."""
-    T, N, C = index_q_TNC.shape
-    P = block_tables_BP.shape[1]
-    dev = index_q_TNC.device
-    args = (
-        index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
-        pages, pages.stride(0), pages.stride(1),
-        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
-        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), P, (T * P).bit_length(),
-    )  # fmt: skip
-    consts = dict(N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=pages.shape[1], HW=use_hw_casts())
-    if ppi is None and use_hw_casts() and T * plan_splits_v4(T, P, 1, dev)[0] >= 256:
-        grid = lambda meta: (T, plan_splits_v4(T, P, meta["PPI"], dev)[0])
-        _index_scores_v4_tuned[grid](*args, **consts)
-        return
-    if ppi is None:
-        p, w, st = V4_DEFAULT
-    elif ppi in V4_PPI:  # the tuned configuration of that PPI, else 8 warps and no pipelining
-        p, w, st = next((c for c in V4_CONFIGS if c[0] == ppi), (ppi, 8, 1))
-    else:
-        raise ValueError(f"ppi={ppi} not in {V4_PPI}")
-    _index_scores_v4_kernel[(T, plan_splits_v4(T, P, p, dev)[0])](*args, **consts, PPI=p, num_warps=w,
-                                                                   num_stages=st)  # fmt: skip
 
 
 def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP) -> None:
@@ -432,28 +316,24 @@ def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
-    variant: DecodeVariant = "v3", ppi: int | None = None,
+    variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
     """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
-    `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
-    "v4" v3's decode over several pages per iteration (NVFP4, C = 128, bf16 queries; other
-    formats / shapes run v3); "v3" decodes NVFP4 keys word-wise to fp16 (bf16 queries); "v2" the
-    byte-wise decode. `ppi` (v4): pages per iteration instead of the autotuned choice (tests)."""
+    `variant`: "v3" decodes NVFP4 keys of head dim 128 word-wise to fp16; "v6" runs the keys-on-M
+    kernel for NVFP4 keys of head dim 128 in packed rows with bf16 queries (anything else as v3);
+    "v2" the byte-wise decode. Other head dims and formats take the same code in every variant."""
+    if variant not in DecodeVariant.__args__:
+        raise ValueError(f"indexer: variant must be one of {DecodeVariant.__args__}, got {variant!r}")
     T, N, C = index_q_TNC.shape
     P = block_tables_BP.shape[1]
     page = pages.shape[1]
-    is_v3 = variant in ("v3", "v4", "v5") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
-    is_v5 = variant == "v5" and is_v3 and pages.stride(1) == C // 2 + C // 16  # packed 72-byte rows
+    is_v3 = variant != "v2" and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
-    is_nvfp4_bf16 = is_v3 and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
-    if variant == "v6" and is_nvfp4_bf16 and pages.stride(1) == C // 2 + C // 16:
+    is_nvfp4_bf16 = _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
+    if variant == "v6" and is_v3 and is_nvfp4_bf16 and pages.stride(1) == C // 2 + C // 16:  # packed rows
         _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP)
-        return scores_TNP
-    is_v4 = variant == "v4" and is_nvfp4_bf16
-    if is_v4:
-        _launch_v4(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP, ppi)
         return scores_TNP
     splits, bps = plan_splits(T, P, index_q_TNC.device)
     dot_f32 = index_q_TNC.dtype != torch.bfloat16 or dtype == "fp32"
@@ -467,7 +347,7 @@ def index_block_scores_triton(
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
         scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
         N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=page,
-        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3, V5=is_v5,
+        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3,
     )  # fmt: skip
     return scores_TNP
 
@@ -477,12 +357,12 @@ def index_select_blocks_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
     *, topk: int, local_blocks: int, init_blocks: int, out_TNK: torch.Tensor | None = None,
-    variant: DecodeVariant = "v3", ppi: int | None = None,
+    variant: DecodeVariant = "v3",
 ) -> torch.Tensor:  # fmt: skip
     """Selected blocks [T, N, topk] int64 (into `out_TNK` if given); no host syncs."""
     T, N, _ = index_q_TNC.shape
     scores_TNP = index_block_scores_triton(
-        index_q_TNC, pages, dtype, scale, block_tables_BP, seq_idx_T, positions_T, variant, ppi
+        index_q_TNC, pages, dtype, scale, block_tables_BP, seq_idx_T, positions_T, variant
     )
     if out_TNK is None:
         out_TNK = torch.empty((T, N, topk), dtype=torch.long, device=index_q_TNC.device)

@@ -4,13 +4,14 @@ Why: decode attention reads, per query token and KV group, only the indexer's se
 is bound by those bytes (NVFP4 pages move 1.78x fewer than FP8). One program takes the G query heads
 of a KV group (each K/V page read once for the group), dequantizes pages in registers and runs an
 online softmax in the exp2 domain; splits of the block list are merged by log-sum-exp. On the FP8
-path q, P and the pages meet in FP8-valued dots; `variant=` picks v3 (default: word-wise NVFP4
-decode to fp16 tiles holding e4m3 values), v2 (sub-tiled byte-wise decode) or v5 (coalesced loads).
+path q, P and the pages meet in FP8-valued dots. NVFP4 pages of head dim 128 in packed 72-byte rows
+(what `PagedKV` stores) are decoded by coalesced word loads to fp16 tiles of e4m3 values (v5, the
+only path for them); other NVFP4 shapes, or `variant="v2"`, take the byte-wise decode to e4m3.
+History: benchmarks/RESULTS.md.
 
-Invariants: semantics are `model.kernels.sparse_attention`'s; the FP8 path equals
+Invariants: semantics are `model.kernels.sparse_attention`'s; the FP8 path (v5 and v2 alike) equals
 `sparse_attention_ref` on FP8-emulated inputs (`fp8_emulated`) up to P's e4m3 rounding and fp32
-order, the bf16 path up to bf16 rounding of q and P; v5's output is v3's bit for bit; a row with no
-visible key gets zeros. History: benchmarks/RESULTS.md.
+order, the bf16 path up to bf16 rounding of q and P; a row with no visible key gets zeros.
 """
 
 from typing import Literal
@@ -26,7 +27,6 @@ from model.kernels.triton_common import (
     f32_to_bf16,
     f32_to_e4m3,
     load_nvfp4_tile_direct,
-    load_nvfp4_tile_f16,
     load_nvfp4_tile_f16_v5,
     num_sms,
     nvfp4_tile_to_fp8,
@@ -40,11 +40,10 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v5", "v4", "v3", "v2"]
-"""v5: v3 with the coalesced flat-block NVFP4 decode (`load_nvfp4_tile_f16_v5`);
-v4: v3's kernel tuned over deeper page pipelines (two K/V tiles in flight per program); v3: NVFP4
-pages decoded word-wise to fp16 (`load_nvfp4_tile_f16`); v2: byte-wise to e4m3."""
-V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
+DecodeVariant = Literal["v5", "v2"]
+"""v5: NVFP4 pages of head dim 128 in packed rows decoded by coalesced word loads to fp16
+(`load_nvfp4_tile_f16_v5`, the default); v2: the byte-wise decode to e4m3, for every shape."""
+V5_HEAD_DIM = 128  # the word-wise decode reads packed 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
 
@@ -95,7 +94,7 @@ def _sparse_attn_kernel(
     n_slots, BPS, SPLITS, n_work, tune_class,
     G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
     FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HW: tl.constexpr, SUB: tl.constexpr, V3: tl.constexpr, V5: tl.constexpr,
+    HW: tl.constexpr, SUB: tl.constexpr, V5: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -120,9 +119,9 @@ def _sparse_attn_kernel(
     if FMT != 0:
         k_scale = tl.load(kscale_ptr).to(tl.float32)
         v_scale = tl.load(vscale_ptr).to(tl.float32)
-    # v3, NVFP4 pages: tiles decoded word-wise straight to fp16 holding the e4m3 values, dots in fp16
+    # v5, NVFP4 pages: tiles decoded word-wise straight to fp16 holding the e4m3 values, dots in fp16
     # on e4m3-valued operands (q, K, P, V): the FP8 path's numbers (every product exact, fp32 sums).
-    IS_F16: tl.constexpr = V3 and FMT == 2 and FP8_DOT
+    IS_F16: tl.constexpr = V5 and FMT == 2 and FP8_DOT
     if FP8_DOT:
         # Per-row e4m3 quantization: the row's amax maps to 448 (e4m3's largest finite value).
         amax_g = tl.maximum(tl.max(tl.abs(q_gc), axis=1), 1e-30)
@@ -156,13 +155,10 @@ def _sparse_attn_kernel(
         k_page = k_base + page * stride_kp
         row_off = (sub0 + offs_s) * stride_ks
         k_rows = k_page + row_off
-        # v5: rows r < n_valid of the sub-tile hold keys (a scalar bound: no per-row mask tensor).
+        # Rows r < n_valid of the sub-tile hold keys (v5's scalar bound: no per-row mask tensor).
         n_valid = tl.where(blk >= 0, pos - blk * PAGE - sub0 + 1, 0)
-        if IS_F16 and V5:  # unmasked K, as v3
+        if IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
             k_sc = load_nvfp4_tile_f16_v5(k_page + sub0 * stride_ks, n_valid, C, SUB, True, False, HW)
-            s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
-        elif IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
-            k_sc = load_nvfp4_tile_f16(k_page, row_off, is_key, C, SUB, True, False, HW)
             s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
         elif FP8_DOT:
             k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
@@ -176,11 +172,9 @@ def _sparse_attn_kernel(
         p_gs = tl.math.exp2(s_gs - m_new[:, None])
         l_g = l_g * alpha + tl.sum(p_gs, axis=1)
         if IS_F16:  # masked: P is 0 there, and a garbage scale byte could decode to NaN
-            if V5:
-                v_sc = load_nvfp4_tile_f16_v5(k_page + stride_kh + sub0 * stride_ks, n_valid, C, SUB, True,
-                                              True, HW)  # fmt: skip
-            else:
-                v_sc = load_nvfp4_tile_f16(k_page + stride_kh, row_off, is_key, C, SUB, True, True, HW)
+            v_sc = load_nvfp4_tile_f16_v5(
+                k_page + stride_kh + sub0 * stride_ks, n_valid, C, SUB, True, True, HW
+            )
             pv_gc = dot_f16(f32_to_e4m3(p_gs, HW).to(tl.float16), v_sc, HW)
         elif FP8_DOT:
             v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
@@ -202,29 +196,14 @@ def _sparse_attn_kernel(
         tl.store(o_ptrs, out_gc.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
 
 
-# Compiled launches at decode sizes time a few warp / pipeline-depth choices per shape on first use
-# (v1 ran every format at ~140-170 us: latency-bound, so deeper page pipelines are the first lever).
+# Compiled launches at decode sizes time a few warp / pipeline-depth choices per shape on first use.
 # Used for 128-token pages (the M3 block size), where both sub-tile sizes are valid FP8 MMA shapes.
 _sparse_attn_tuned = triton.autotune(
     [
         triton.Config({"SUB": sub}, num_warps=w, num_stages=st)
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
-    key=["tune_class", "FMT", "FP8_DOT", "V3", "V5"],
-    do_bench=safe_do_bench,
-)(_sparse_attn_kernel)
-
-# v4: the same kernel (v3 decode) over configurations that keep two K/V tiles in flight per program.
-# Offline (benchmarks/kernel_compile_report.py, sm_90): every v3 configuration is "async x1" (the
-# indirect selection -> block table -> page chain takes two of the pipeliner's stages, so it buffers
-# one tile and waits for it before decoding): 36 KB of NVFP4 K/V in flight per SM against FP8's 48 KB
-# and bf16's 128 KB. From 5 stages the tile is double-buffered: (64, 4, 5) 4 programs x 2 x 9 KB and
-# (128, 8, 5) 2 x 2 x 18 KB = 72 KB/SM, (32, 2, 5) 8 x 2 x 4.5 KB = 72 KB; (64, 4, 3) is v3's usual
-# pick, the baseline.
-V4_CONFIGS = ((64, 4, 3), (64, 4, 5), (128, 8, 5), (32, 2, 5))
-_sparse_attn_v4_tuned = triton.autotune(
-    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V4_CONFIGS],
-    key=["tune_class", "FMT", "FP8_DOT", "V3", "V5"],
+    key=["tune_class", "FMT", "FP8_DOT", "V5"],
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -277,13 +256,16 @@ def sparse_attention_triton(
     q_THC: torch.Tensor, kv_cache: PagedKV, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor,
     positions_T: torch.Tensor, selected_TNK: torch.Tensor | None, *, softmax_scale: float,
     force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None, sub_tile: int | None = None,
-    variant: DecodeVariant = "v3",
+    variant: DecodeVariant = "v5",
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] in q's dtype (written into `out_THC` if given); see the module notes. No host syncs.
-    `variant`: "v5" v3 with the coalesced flat-block NVFP4 decode (packed rows; else v3);
-    "v3" decodes NVFP4 pages word-wise to fp16 for the FP8-numerics path (head dim 128);
-    "v4" the same kernel tuned over deeper page pipelines (`V4_CONFIGS`; NVFP4 only, other caches
-    run v3); "v2" the byte-wise decode to e4m3."""
+    `variant`: "v5" decodes NVFP4 pages of head dim 128 in packed 8-byte-aligned rows by coalesced
+    word loads to fp16 for the FP8-numerics path (other NVFP4 shapes: the byte-wise decode); "v2"
+    the byte-wise decode to e4m3 for every shape (the baseline tests and benchmarks compare with)."""
+    if variant not in DecodeVariant.__args__:
+        raise ValueError(
+            f"sparse attention: variant must be one of {DecodeVariant.__args__}, got {variant!r}"
+        )
     T, H, C = q_THC.shape
     pages = kv_cache.pages
     N, page = pages.shape[1] // 2, pages.shape[2]
@@ -297,9 +279,9 @@ def sparse_attention_triton(
     splits, bps = plan_splits(T * N, max(1, n_slots), q_THC.device)
     g_p2 = max(16, triton.next_power_of_2(G))
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
-    is_v3 = variant in ("v3", "v4", "v5") and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
-    is_v5 = variant == "v5" and is_v3 and pages.stride(2) == C // 2 + C // 16  # packed 72-byte rows
     fmt = _FMT[kv_cache.dtype]
+    is_packed = C == V5_HEAD_DIM and pages.stride(2) == C // 2 + C // 16 and pages.data_ptr() % 8 == 0
+    is_v5 = variant == "v5" and fmt == FMT_NVFP4 and fp8_dot and is_packed  # 8-byte scale loads
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
         ml = torch.empty((T * N * splits * g_p2 * 2,), dtype=torch.float32, device=q_THC.device)
@@ -310,8 +292,7 @@ def sparse_attention_triton(
     # Autotune only where a launch is big enough to matter (small test shapes keep one compile).
     # `sub_tile` (tokens per K/V tile, dividing the page; tests) fixes the tile and skips tuning.
     is_tuned = use_hw_casts() and T * N * splits >= 256 and page == 128 and sub_tile is None
-    is_v4 = variant == "v4" and is_v3 and fmt == FMT_NVFP4 and fp8_dot
-    kernel = (_sparse_attn_v4_tuned if is_v4 else _sparse_attn_tuned) if is_tuned else _sparse_attn_kernel
+    kernel = _sparse_attn_tuned if is_tuned else _sparse_attn_kernel
     sub_kw = {} if is_tuned else {"SUB": sub_tile or page}
     kernel[(T, N, splits)](
         q_THC, q_THC.stride(0), q_THC.stride(1),
@@ -322,7 +303,7 @@ def sparse_attention_triton(
         out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
         n_slots, bps, splits, T * N, tune_class(n_slots, T * N),
         G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
-        IS_SPLIT=splits > 1, HW=use_hw_casts(), V3=is_v3, V5=is_v5, **sub_kw,
+        IS_SPLIT=splits > 1, HW=use_hw_casts(), V5=is_v5, **sub_kw,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(T, N)](
@@ -363,19 +344,15 @@ def fp8_emulated(q_THC: torch.Tensor, kv_cache: PagedKV) -> tuple[torch.Tensor, 
 
 @triton.jit
 def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr,
-                         V3: tl.constexpr, V5: tl.constexpr):  # fmt: skip
+                         V5: tl.constexpr):  # fmt: skip
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     is_row = offs_r < n_rows
     row_off = offs_r.to(tl.int64) * (C // 2 + C // 16)
     row_ptrs = buf_ptr + row_off
-    if V5:  # the same through v5's flat-block decode (rows past n_rows masked by the scalar bound)
+    if V5:  # fp16 tile of e4m3 values (the cast back is exact); rows past n_rows masked by a scalar bound
         tile = load_nvfp4_tile_f16_v5(buf_ptr + tl.program_id(0).to(tl.int64) * ROWS * (C // 2 + C // 16),
                                       n_rows - tl.program_id(0) * ROWS, C, ROWS, True, True, HW)  # fmt: skip
         fp8_rc = f32_to_e4m3(tile.to(tl.float32), HW)
-    elif V3:  # fp16 tile holding e4m3 values: the cast back to e4m3 is exact
-        fp8_rc = f32_to_e4m3(
-            load_nvfp4_tile_f16(buf_ptr, row_off, is_row, C, ROWS, True, True, HW).to(tl.float32), HW
-        )
     else:
         fp8_rc = nvfp4_tile_to_fp8(row_ptrs, is_row, C, ROWS, HW)
     offs_c = tl.arange(0, C)
@@ -387,12 +364,16 @@ def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.con
 def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
     """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
     (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).
-    variant "v3" / "v5" (head dim 128 only) runs the decode of that attention path."""
+    variant "v2": the byte-wise decode; "v5" (head dim 128, packed rows) the word-wise one."""
+    if variant not in DecodeVariant.__args__:
+        raise ValueError(
+            f"nvfp4 rows to fp8: variant must be one of {DecodeVariant.__args__}, got {variant!r}"
+        )
     R, X = buf_RX.shape
     C = X * 16 // 9
-    if variant in ("v3", "v5") and (C != V3_HEAD_DIM or buf_RX.data_ptr() % 8 or buf_RX.stride(0) != X):
-        raise ValueError(f"the {variant} decode reads 8-byte aligned 128-value rows, got C={C}")
+    if variant == "v5" and (C != V5_HEAD_DIM or buf_RX.data_ptr() % 8 or buf_RX.stride(0) != X):
+        raise ValueError(f"the v5 decode reads packed 8-byte aligned 128-value rows, got C={C}")
     out = torch.empty((R, C), dtype=torch.uint8, device=buf_RX.device)
     _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts(),
-                                                V3=variant == "v3", V5=variant == "v5")  # fmt: skip
+                                                V5=variant == "v5")  # fmt: skip
     return out.view(torch.float8_e4m3fn)

@@ -28,16 +28,13 @@ GROUPS = {
         "indexer_scores_match_reference",
         "indexer_batch1_split_context",
         "indexer_v3_c128_scores_and_selection_match_reference",
-        "indexer_v4_every_ppi_scores_and_selection_match_reference",
-        "indexer_v5_scores_and_selection_equal_v3_bitwise",
     ],
     "attention": [
         "attention_bf16_matches_reference",
         "attention_fp8_matches_emulated_reference",
         "attention_empty_selection_gives_zeros",
-        "attention_v3_v4_nvfp4_match_v2_and_emulated_reference",
-        "attention_v3_dequant_bit_exact",
-        "attention_v5_output_and_dequant_equal_v3_bitwise",
+        "attention_v5_nvfp4_matches_v2_and_emulated_reference",
+        "attention_v5_dequant_bit_exact",
     ],
     "moe": [
         "moe_matches_reference",
@@ -224,10 +221,10 @@ def indexer_batch1_split_context(device):
 
 
 def indexer_v3_c128_scores_and_selection_match_reference(device):
-    """The v3 word-wise NVFP4 decode (head dim 128, fp16 keys, queries prescaled by a power of two):
-    block scores equal the fp32 reference's within fp32 summation error for query rows of very
-    different magnitudes (fp16 alone would overflow at 3e4 x 128 dims or flush 1e-6), and selections
-    equal the reference for both variants."""
+    """NVFP4 keys at head dim 128 (v3: decoded word-wise to fp16; v6: keys on the MMA's M side; both
+    with queries prescaled by a power of two): block scores equal the fp32 reference's within fp32
+    summation error for query rows of very different magnitudes (fp16 alone would overflow at 3e4 x
+    128 dims or flush 1e-6), and selections equal the reference for v3, v6 and the byte-wise v2."""
     from model.kernels.indexer import index_select_blocks_ref
     from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
 
@@ -271,91 +268,6 @@ def _scores_close(got, q, ic, table, seq, pos, page):
     return True, ""
 
 
-def indexer_v5_scores_and_selection_equal_v3_bitwise(device):
-    """v5 (the coalesced flat-block NVFP4 decode) gives v3's block scores bit for bit and the same
-    selections, at pages of 16 and 32 tokens, ragged lengths and rows whose own page is partly
-    empty; scores and selections are poisoned first, so a block v5 skips fails."""
-    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
-
-    gen = torch.Generator().manual_seed(13)
-    for page, lens in [(16, [70, 33, 5]), (32, [100, 1])]:
-        _, dev = _index_problem("nvfp4", 128, page, lens, 8, 2, gen, device)
-        q, ic, table, seq, pos, _ = dev
-        v3 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v3").cpu()
-        v5 = index_block_scores_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, variant="v5").cpu()
-        for t in range(len(seq)):
-            nb = int(pos[t]) // page + 1
-            if not torch.equal(v5[t, :, :nb].view(torch.int32), v3[t, :, :nb].view(torch.int32)):
-                return False, f"page={page} row {t}: v5 scores {v5[t, :, :nb]} vs v3 {v3[t, :, :nb]}"
-        kw = dict(topk=3, local_blocks=1, init_blocks=1)
-        sel = {}
-        for variant in ("v3", "v5"):
-            poison = torch.full((len(seq), q.shape[1], 3), -7, dtype=torch.long, device=device)
-            sel[variant] = index_select_blocks_triton(q, ic.pages, "nvfp4", ic.scale, table, seq, pos, **kw,
-                                                      out_TNK=poison, variant=variant).cpu()  # fmt: skip
-        if not torch.equal(sel["v5"], sel["v3"]) or bool((sel["v5"] == -7).any()):
-            return False, f"page={page}: v5 selection {sel['v5']} vs v3 {sel['v3']}"
-    return True, ""
-
-
-def _nvfp4_block_scores_ref(cpu, page):
-    """[T, N, blocks] reference block maxima (fp32) of the rows of an `_index_problem`."""
-    from model.kv_cache import dequantize_kv, gather_pages
-
-    q, ic, table, seq, pos, _ = cpu
-    out = []
-    for t in range(len(seq)):
-        b, p = int(seq[t]), int(pos[t])
-        keys = dequantize_kv(gather_pages(ic.pages, table[b], p + 1)[:, None], ic.dtype, ic.scale, 128)[:, 0]
-        nb = p // page + 1
-        s = torch.nn.functional.pad(q[t].float() @ keys.T, (0, nb * page - p - 1), value=float("-inf"))
-        out.append(s.view(-1, nb, page).amax(-1))
-    return out
-
-
-def indexer_v4_every_ppi_scores_and_selection_match_reference(device):
-    """v4 (PPI pages per loop iteration) at PPI 1, 2 and 4 (on CUDA also the autotuned launch at
-    128-token pages: every configuration of V4_CONFIGS compiled and timed): block scores equal the
-    fp32 reference's within summation error and selections equal it, with ragged lengths whose last
-    iteration has fewer than PPI blocks, a batch-1 context split over several programs (blocks per
-    split a multiple of PPI, some programs past the end) and query rows of very different magnitudes."""
-    from model.kernels.indexer import index_select_blocks_ref
-    from model.kernels.triton_indexer import (
-        V4_PPI,
-        index_block_scores_triton,
-        index_select_blocks_triton,
-        plan_splits_v4,
-    )
-
-    gen = torch.Generator().manual_seed(12)
-    problems = [(16, [70, 33, 130], 10, 1.0), (16, [280], 18, 3e4), (32, [100, 5], 4, 1e-6)]
-    if device == "cuda":  # 128-token pages, large enough for the autotuned launch (every V4_CONFIGS)
-        problems.append((128, [5000, 3000, 4200, 120] * 2, 40, 1.0))
-    for page, lens, width, q_mag in problems:
-        cpu, dev = _index_problem("nvfp4", 128, page, lens, width, 2, gen, device)
-        q = (cpu[0].float() * q_mag).to(torch.bfloat16)
-        cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
-        want_scores = _nvfp4_block_scores_ref(cpu, page)
-        kw = dict(topk=3, local_blocks=1, init_blocks=1)
-        want = index_select_blocks_ref(*cpu, **kw)
-        for ppi in V4_PPI + ((None,) if page == 128 else ()):  # None: the autotuned choice
-            splits, bps = plan_splits_v4(len(cpu[3]), width, ppi or 1, torch.device(device))
-            if bps % (ppi or 1) or splits * bps < width:
-                return False, f"plan_splits_v4 ppi={ppi}: {splits} x {bps} for {width} blocks"
-            got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5],
-                                            variant="v4", ppi=ppi).cpu()  # fmt: skip
-            for t, w in enumerate(want_scores):
-                tol = 1e-5 * w.abs().max().item()
-                if not torch.allclose(got[t, :, : w.shape[1]], w, rtol=1e-5, atol=tol):
-                    return False, f"ppi={ppi} page={page} row {t}: {got[t, :, : w.shape[1]]} vs {w}"
-            poison = torch.full_like(want, -7).to(device)
-            sel = index_select_blocks_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5], **kw,
-                                             out_TNK=poison, variant="v4", ppi=ppi)  # fmt: skip
-            if not torch.equal(sel.cpu(), want):
-                return False, f"ppi={ppi} page={page}: selection differs\n{sel.cpu()}\n{want}"
-    return True, ""
-
-
 # ------------------------------------------------------------------------------------------ attention
 def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False):
     from model.kv_cache import PagedKV, quantize_kv
@@ -384,7 +296,7 @@ def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, e
     return cpu, dev
 
 
-def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None, variant="v3"):
+def _run_attention(dev, sel, *, force_bf16_dot=False, sub_tile=None, variant="v5"):
     from model.kernels.triton_sparse_attention import sparse_attention_triton
 
     q, kv, table, seq, pos, _, _ = dev
@@ -410,7 +322,7 @@ def attention_bf16_matches_reference(device):
         for N, G, C, page, lens, width, K, rows in _ATTN_SHAPES:
             cpu, dev = _attn_problem(dtype, N, G, C, page, lens, width, K, rows, gen, device)
             # Dense walks (every block) for one format only: the walk does not depend on the format,
-            # and the FP8 / v3 checks below run dense for fp8 and NVFP4 (keeps the file < 60 s on CPU).
+            # and the FP8 / v5 checks below run dense for fp8 and NVFP4 (keeps the file < 60 s on CPU).
             for is_dense in (False, True) if dtype == "bf16" else (False,):
                 sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
                 want = sparse_attention_ref(*cpu[:6], sel_c, softmax_scale=C**-0.5).float()
@@ -459,11 +371,12 @@ def attention_empty_selection_gives_zeros(device):
     return True, ""
 
 
-def attention_v3_v4_nvfp4_match_v2_and_emulated_reference(device):
-    """v3 NVFP4 attention (head dim 128: pages decoded word-wise to fp16 e4m3 values, fp16 dots) has
-    the FP8 path's numerics: it matches the FP8-emulated reference as v2 does, and v2 itself up to
-    fp32 summation order and one bf16 output rounding; a group with no selected block gives zeros.
-    v4 (the same kernel, tuned over deeper pipelines on large GPU launches) equals v3 bit for bit."""
+def attention_v5_nvfp4_matches_v2_and_emulated_reference(device):
+    """v5 NVFP4 attention (head dim 128, packed rows: pages decoded by coalesced word loads to fp16
+    e4m3 values, fp16 dots) has the FP8 path's numerics: it matches the FP8-emulated reference as the
+    byte-wise v2 does, and v2 itself up to fp32 summation order and one bf16 output rounding; split
+    and dense walks, sub-tiles smaller than the page, -1 slots, and a group with no selected block
+    (zeros). Outputs are poisoned (NaN) first."""
     from model.kernels.sparse_attention import sparse_attention_ref
     from model.kernels.triton_sparse_attention import fp8_emulated
 
@@ -476,22 +389,21 @@ def attention_v3_v4_nvfp4_match_v2_and_emulated_reference(device):
         for is_dense in walks:
             sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
             want = sparse_attention_ref(q_emul, kv_emul, *cpu[2:6], sel_c, softmax_scale=128**-0.5).float()
-            v3 = _run_attention(dev, sel_d, sub_tile=sub, variant="v3")
+            v5 = _run_attention(dev, sel_d, sub_tile=sub, variant="v5")
             v2 = _run_attention(dev, sel_d, sub_tile=sub, variant="v2")
-            if not torch.equal(_run_attention(dev, sel_d, sub_tile=sub, variant="v4"), v3):
-                return False, f"N={N} page={page} dense={is_dense}: v4 differs from v3"
             scale = want.abs().max().item()
-            err, gap = (v3 - want).abs().max().item(), (v3 - v2).abs().max().item()
+            err, gap = (v5 - want).abs().max().item(), (v5 - v2).abs().max().item()
             if not (err <= 0.04 * scale and gap <= 2**-7 * scale):
                 return False, f"N={N} page={page} dense={is_dense}: err vs ref {err}, vs v2 {gap} ({scale})"
-            if empty and not is_dense and not torch.equal(v3[0, :G], torch.zeros_like(v3[0, :G])):
-                return False, f"group with no selected block must give zeros, got {v3[0, :G]}"
+            if empty and not is_dense and not torch.equal(v5[0, :G], torch.zeros_like(v5[0, :G])):
+                return False, f"group with no selected block must give zeros, got {v5[0, :G]}"
     return True, ""
 
 
-def attention_v3_dequant_bit_exact(device):
-    """The v3 word-wise NVFP4 -> e4m3 tile decode gives the bits of `nvfp4.kv_dequantize_fp8` (all-zero
-    blocks, negative zeros, e4m3-subnormal block scales and saturation at 448 included)."""
+def attention_v5_dequant_bit_exact(device):
+    """The v5 word-wise NVFP4 -> e4m3 tile decode gives the bits of `nvfp4.kv_dequantize_fp8` (all-zero
+    blocks, negative zeros, e4m3-subnormal block scales and saturation at 448 included; 37 rows, so
+    the last 16-row tile is partly masked)."""
     from model import nvfp4
     from model.kernels.triton_sparse_attention import nvfp4_rows_to_fp8_triton
 
@@ -504,43 +416,10 @@ def attention_v3_dequant_bit_exact(device):
     for scale in (float(x.abs().max()) / 448, float(x.abs().max()) / 2688, 1.0):
         buf = nvfp4.kv_quantize(x, scale, check_finite=False)
         want, _ = nvfp4.kv_dequantize_fp8(buf, scale)
-        got = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v3").cpu()
+        got = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v5").cpu()
         n_bad = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
         if n_bad:
             return False, f"scale={scale}: {n_bad} bytes differ"
-    return True, ""
-
-
-def attention_v5_output_and_dequant_equal_v3_bitwise(device):
-    """v5 (coalesced flat-block NVFP4 decode; K unmasked, V masked by a scalar row bound) gives v3's
-    attention output bit for bit: split and dense walks, sub-tiles smaller than the page, -1 slots and
-    a group with no selected block; and its tile decode alone gives v3's e4m3 bits, with a row count
-    that leaves the last tile partly masked. Outputs are poisoned (NaN) first."""
-    from model import nvfp4
-    from model.kernels.triton_sparse_attention import nvfp4_rows_to_fp8_triton
-
-    gen = torch.Generator().manual_seed(14)
-    shapes = [(1, 16, 32, [100, 17], 4, 2, 1, None, False, (False, True)),
-              (2, 8, 64, [150, 40], 3, 2, 1, 32, True, (False,))]  # fmt: skip
-    for N, G, page, lens, width, K, rows, sub, empty, walks in shapes:
-        _, dev = _attn_problem("nvfp4", N, G, 128, page, lens, width, K, rows, gen, device, empty_row=empty)
-        for is_dense in walks:
-            sel_d = None if is_dense else dev[6]
-            v3 = _run_attention(dev, sel_d, sub_tile=sub, variant="v3")
-            v5 = _run_attention(dev, sel_d, sub_tile=sub, variant="v5")
-            if not torch.equal(v5.view(torch.int32), v3.view(torch.int32)):
-                return (
-                    False,
-                    f"N={N} page={page} dense={is_dense}: v5 differs from v3 by {(v5 - v3).abs().max()}",
-                )
-    x = torch.randn(37, 128, generator=gen) * torch.exp(3 * torch.randn(37, 1, generator=gen))
-    x[0, :16] = 0
-    x[1, 16:32] *= 1e-7
-    buf = nvfp4.kv_quantize(x, float(x.abs().max()) / 448, check_finite=False)
-    v3 = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v3").cpu().view(torch.uint8)
-    v5 = nvfp4_rows_to_fp8_triton(buf.to(device), variant="v5").cpu().view(torch.uint8)
-    if not torch.equal(v5, v3):
-        return False, f"dequant: {int((v5 != v3).sum())} bytes differ"
     return True, ""
 
 
@@ -620,7 +499,7 @@ def linear_and_shared_expert_match(device):
 
 
 def gemv_v3_split_k_matches_reference(device):
-    """The v3 split-K FMA GEMV and v4 (v3 + next K step prefetched), rows 1..4, against the reference
+    """The v3 split-K FMA GEMV, rows 1..4, against the reference
     and the exact fp32 product, with row (N) and K tails, 1-4 K splits (an empty last split included),
     poisoned outputs, and the split counters back at zero after every launch (the next launch
     depends on it)."""
@@ -644,23 +523,22 @@ def gemv_v3_split_k_matches_reference(device):
         want = nvfp4_linear_ref(x, *args).float().cpu()
         exact = x.float().cpu() @ bank.dequantized(0, torch.float32)[0].float().cpu().T
         w = _parts(args[0].unsqueeze(0), args[1].unsqueeze(0), args[2])
-        for version in ("v3", "v4"):  # v4: the next K step's weights prefetched
-            got = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
-            if bn is None:
-                got = nvfp4_linear_triton(x, *args, variant=version)
-            else:
-                _launch_gemv(x, w, got, T, bn=bn, bk=bk, split_k=split_k, prefetch=version == "v4")
-            got = got.float().cpu()
-            scale = exact.abs().max().item()
-            err_exact = (got - exact).abs().max().item()
-            err_ref = (got - want).abs().max().item()
-            # bf16 output rounding (2^-8 relative) bounds the gap to the exact product; the reference
-            # adds its own bf16 weight rounding on top.
-            if not (torch.isfinite(got).all() and err_exact <= 2**-7 * scale and err_ref <= 1e-2 * scale):
-                return False, (f"{version} N={N} K={K} T={T} split={split_k}: err vs exact {err_exact}, "
-                               f"vs ref {err_ref} ({scale})")  # fmt: skip
-            if int(split_counters(torch.device(device), 1).abs().sum()) != 0:
-                return False, f"{version} N={N} K={K} T={T} split={split_k}: split counters not reset"
+        got = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
+        if bn is None:
+            got = nvfp4_linear_triton(x, *args)
+        else:
+            _launch_gemv(x, w, got, T, bn=bn, bk=bk, split_k=split_k)
+        got = got.float().cpu()
+        scale = exact.abs().max().item()
+        err_exact = (got - exact).abs().max().item()
+        err_ref = (got - want).abs().max().item()
+        # bf16 output rounding (2^-8 relative) bounds the gap to the exact product; the reference
+        # adds its own bf16 weight rounding on top.
+        if not (torch.isfinite(got).all() and err_exact <= 2**-7 * scale and err_ref <= 1e-2 * scale):
+            return False, (f"N={N} K={K} T={T} split={split_k}: err vs exact {err_exact}, "
+                           f"vs ref {err_ref} ({scale})")  # fmt: skip
+        if int(split_counters(torch.device(device), 1).abs().sum()) != 0:
+            return False, f"N={N} K={K} T={T} split={split_k}: split counters not reset"
     x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(device)
     bank = _bank(1, 128, 32, 5, device)
     args = (bank.w1_weight[0], bank.w1_weight_scale[0], bank.w1_weight_scale_2[0])
