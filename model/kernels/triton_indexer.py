@@ -237,7 +237,9 @@ def _index_scores_v6_kernel(
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
 
 
-V6_CONFIGS = ((64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3))  # (SUB, warps, stages); SUB 32 gets mma.sync
+# (SUB, warps, stages): from 6 stages the code-byte tile is double-buffered (2 x 8 KB at 128 keys;
+# TTGIR, sm_90), below it one tile is in flight per program; 32-key tiles get mma.sync, not wgmma.
+V6_CONFIGS = ((64, 4, 3), (64, 4, 6), (128, 4, 3), (128, 4, 6), (128, 8, 3), (128, 8, 6))
 _index_scores_v6_tuned = triton.autotune(
     [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
     key=["tune_class", "PAGE"],
@@ -312,6 +314,16 @@ def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
         _index_scores_v6_kernel[(T, splits)](*args, **consts, SUB=min(page, 64), num_warps=4, num_stages=3)
 
 
+def v6_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bool:
+    """Whether `variant="v6"` runs the keys-on-M kernel: NVFP4 keys of head dim 128 in packed,
+    8-byte aligned rows and bf16 queries (other inputs take v3's code)."""
+    C = index_q_TNC.shape[-1]
+    return (
+        C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0 and pages.stride(1) == C // 2 + C // 16
+        and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
+    )  # fmt: skip
+
+
 @opaque_to_compile
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
@@ -331,8 +343,7 @@ def index_block_scores_triton(
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
-    is_nvfp4_bf16 = _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
-    if variant == "v6" and is_v3 and is_nvfp4_bf16 and pages.stride(1) == C // 2 + C // 16:  # packed rows
+    if variant == "v6" and v6_applies(index_q_TNC, pages, dtype):
         _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP)
         return scores_TNP
     splits, bps = plan_splits(T, P, index_q_TNC.device)

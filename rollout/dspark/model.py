@@ -300,24 +300,24 @@ class Drafter(nn.Module):
         ctx_kv_BSL2GC: torch.Tensor,
         ctx_valid_BS: torch.Tensor,
         temperature_B: torch.Tensor,
-        generators: list[torch.Generator | None],
+        rngs: list[sampler.CounterRNG | None],
     ) -> Draft:
         """Draft N tokens per request: argmax for greedy rows (temperature 0), else a sample from
-        softmax(logits / T) with the row's generator, left to right through the Markov head."""
+        softmax(logits / T) with the row's rng, left to right through the Markov head."""
         h_BND = self.block_hidden(
             anchor_ids_B[:, None], anchor_pos_B[:, None], ctx_kv_BSL2GC, ctx_valid_BS[:, None]
         )
         h_BND = h_BND[:, 0]
         U_BNV = self.base_logits(h_BND)
         N, V = U_BNV.shape[1:]
-        is_sampling = any(g is not None for g in generators)
+        is_sampling = any(g is not None for g in rngs)
         prev_B = anchor_ids_B
         tokens, probs, conf = [], [], []
         for k in range(N):
             logits_BV, e_BR = self.markov_logits(U_BNV[:, k], prev_B)
             scaled_BV = sampler.temperature_scaled(logits_BV, temperature_B)
             q_BV = torch.softmax(scaled_BV, dim=-1)
-            noise_BV = sampler.exponential_noise(generators, V, q_BV.device) if is_sampling else None
+            noise_BV = sampler.exponential_noise(rngs, V, q_BV.device) if is_sampling else None
             prev_B = (q_BV / noise_BV).argmax(-1) if is_sampling else scaled_BV.argmax(-1)
             prev_B = torch.where(temperature_B > 0, prev_B, scaled_BV.argmax(-1))
             tokens.append(prev_B)

@@ -66,12 +66,12 @@ class Proposer:
         temps_B = torch.tensor(
             [s.group.request.params.temperature for s in seqs], dtype=torch.float32, device=dev
         )
-        return self._draft(anchors_B, lens, block_tables_BP, temps_B, [s.generator for s in seqs])
+        return self._draft(anchors_B, lens, block_tables_BP, temps_B, [s.rng for s in seqs])
 
-    def _draft(self, anchors_B, lens: list[int], block_tables_BP, temps_B, generators) -> Draft:
+    def _draft(self, anchors_B, lens: list[int], block_tables_BP, temps_B, rngs) -> Draft:
         lens_B = torch.tensor(lens, dtype=torch.long, device=anchors_B.device)
         ctx_kv, valid_BS = self.cache.read(block_tables_BP, lens_B, max(lens))
-        return self.drafter.draft(anchors_B, lens_B, ctx_kv, valid_BS, temps_B, generators)
+        return self.drafter.draft(anchors_B, lens_B, ctx_kv, valid_BS, temps_B, rngs)
 
     def choose(self, draft: Draft, caps: list[int], base_tokens: int, extra_value: float) -> list[int]:
         """Drafts to verify per sequence, each <= caps[b] (fixed: the cap)."""

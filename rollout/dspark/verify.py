@@ -38,34 +38,26 @@ def residual_distribution(p_BV: torch.Tensor, q_BV: torch.Tensor) -> torch.Tenso
     return torch.where(mass_B1 > 0, r_BV / mass_B1.clamp(min=1e-30), p_BV)
 
 
-def _uniforms(generators: list[torch.Generator | None], K: int, device: torch.device) -> torch.Tensor:
-    u_BK = torch.zeros((len(generators), K), dtype=torch.float32, device=device)
-    for b, gen in enumerate(generators):
-        if gen is not None:
-            u_BK[b].uniform_(generator=gen)
-    return u_BK
-
-
 def verify(
     target_logits_BK1V: torch.Tensor,
     draft_tokens_BK: torch.Tensor,
     draft_probs_BKV: torch.Tensor | None,
     num_draft_B: torch.Tensor,
     temperature_B: torch.Tensor,
-    generators: list[torch.Generator | None],
+    rngs: list[sampler.CounterRNG | None],
     top_k_B: torch.Tensor | None = None,
     top_p_B: torch.Tensor | None = None,
     min_p_B: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accept a prefix of each row's drafts (rule in the module docstring). Row b verifies its
     first num_draft_B[b] drafts; rows of the logits past that are ignored. Rows with temperature
-    0 must have generator None; draft_probs may be None only if every row is greedy."""
+    0 must have rng None; draft_probs may be None only if every row is greedy."""
     B, K1, V = target_logits_BK1V.shape
     K = K1 - 1
-    if draft_tokens_BK.shape != (B, K) or num_draft_B.shape != (B,) or len(generators) != B:
-        got = f"{tuple(draft_tokens_BK.shape)}, {tuple(num_draft_B.shape)}, {len(generators)}"
-        raise ValueError(f"need draft_tokens [{B}, {K}], num_draft [{B}] and {B} generators, got {got}")
-    is_sampling = any(g is not None for g in generators)
+    if draft_tokens_BK.shape != (B, K) or num_draft_B.shape != (B,) or len(rngs) != B:
+        got = f"{tuple(draft_tokens_BK.shape)}, {tuple(num_draft_B.shape)}, {len(rngs)}"
+        raise ValueError(f"need draft_tokens [{B}, {K}], num_draft [{B}] and {B} rngs, got {got}")
+    is_sampling = any(g is not None for g in rngs)
     if is_sampling and (draft_probs_BKV is None or draft_probs_BKV.shape[:2] != (B, K)):
         raise ValueError("sampling rows need draft_probs [B, K, V]: the distributions the drafts came from")
     dev = target_logits_BK1V.device
@@ -85,7 +77,7 @@ def verify(
     if is_sampling:
         p_draft_BK = p_BK1V[:, :K].gather(-1, draft_tokens_BK[..., None])[..., 0]
         q_draft_BK = draft_probs_BKV[:, :K].gather(-1, draft_tokens_BK[..., None])[..., 0].float()
-        u_BK = _uniforms(generators, K, dev)
+        u_BK = sampler.uniform_noise(rngs, K, dev)
         ok_BK = torch.where(is_greedy_B1, ok_BK, u_BK * q_draft_BK < p_draft_BK)
     ok_BK &= j_K[None, :] < num_draft_B[:, None]
     m_B = ok_BK.long().cumprod(dim=-1).sum(dim=-1)
@@ -98,7 +90,7 @@ def verify(
         rejected_B1 = (m_B < num_draft_B)[:, None]
         q_BV = draft_probs_BKV[b_B, m_B.clamp(max=K - 1)].float() if K > 0 else torch.zeros_like(p_BV)
         r_BV = residual_distribution(p_BV, torch.where(rejected_B1, q_BV, torch.zeros_like(q_BV)))
-        noise_BV = sampler.exponential_noise(generators, V, dev)
+        noise_BV = sampler.exponential_noise(rngs, V, dev)
         new_B = torch.where(is_greedy_B1[:, 0], new_B, (r_BV / noise_BV).argmax(-1))
 
     tokens_BK1 = torch.cat([draft_tokens_BK, draft_tokens_BK.new_zeros(B, 1)], dim=1)

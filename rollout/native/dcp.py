@@ -46,7 +46,7 @@ from rollout.native.engine import NativeEngine
 # Invariants: every rank calls `add_request` / `generate` / `step` / `set_adapter` in the same order
 # with the same arguments and the same engine `seed`. Then every rank computes bit-identical logits
 # (the merged attention output is computed from the same gathered partials on every rank) and so
-# samples the same tokens from the same per-sequence generators; its completions equal a single
+# samples the same tokens from the same per-sequence random streams; its completions equal a single
 # `NativeEngine`'s (tokens exactly, log-probs up to fp32 summation order). `check_every = n > 0`
 # verifies that (a checksum of every sequence's tokens and log-probs, all-gathered every n steps and
 # after `generate`; a mismatch raises on every rank at once). A world of 1 runs no collective.

@@ -27,6 +27,7 @@ from model.vision.lora import has_projector_lora
 from rollout.engine import Completion, EngineStats, Request
 from rollout.native.images import ImageFeatureCache, RequestImages
 from rollout.native.runner import ModelRunner, StepInputs
+from rollout.native.sampler import CounterRNG
 from rollout.native.scheduler import Group, ScheduledChunk, Scheduler, Sequence, TokenCallback
 
 if TYPE_CHECKING:
@@ -213,10 +214,8 @@ class NativeEngine:
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (), generator=self._seed_gen))
         for i in range(request.n):
-            gen = None
-            if not p.is_greedy:
-                gen = torch.Generator(device=self.device).manual_seed(base_seed + i)
-            seq = Sequence(self._next_seq_id, group, i, base_seed + i, gen)
+            rng = None if p.is_greedy else CounterRNG(base_seed + i)
+            seq = Sequence(self._next_seq_id, group, i, base_seed + i, rng)
             self._next_seq_id += 1
             group.sequences.append(seq)
         leader, *siblings = group.sequences
@@ -490,7 +489,7 @@ class NativeEngine:
             None if draft.probs_BNV is None else draft.probs_BNV[:, :K],
             views["num_verify"],
             views["verify_temperature"],
-            [s.generator for s in seqs],
+            [s.rng for s in seqs],
             top_k_B=views.get("verify_top_k"),
             top_p_B=views.get("verify_top_p"),
             min_p_B=views.get("verify_min_p"),
@@ -523,9 +522,7 @@ class NativeEngine:
     def _sample_and_update(
         self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], seqs: list[Sequence]
     ) -> list[Completion]:
-        tokens_B, logprobs_B = self.runner.sample(
-            logits_RV, views, [s.generator for s in seqs], self._banned_ids
-        )
+        tokens_B, logprobs_B = self.runner.sample(logits_RV, views, [s.rng for s in seqs], self._banned_ids)
         # SYNC: the scheduler needs the ids (ids and log-probs in one copy; int64 ids < 2^53 are exact).
         tokens, logprobs = torch.stack([tokens_B.double(), logprobs_B.double()]).tolist()
         now = time.perf_counter()

@@ -205,18 +205,18 @@ class ModelRunner:
         return self.model.forward_cached(*args, logits_indices=views["rows"],
                                          image_features_NE=inputs.image_features_NE)  # fmt: skip
 
-    def sample(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], generators: list,
+    def sample(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], rngs: list,
                banned_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(tokens_B, logprobs_B) of the sampled rows, on the device (the caller syncs once)."""
         logits_BV = logits_RV[views["sample_src"]] if "sample_src" in views else logits_RV
         temperature_B = views["temperature"]
         trunc = {k: views.get(k) for k in ("top_k_B", "top_p_B", "min_p_B")}
         if banned_ids is None:
-            return sampler.sample(logits_BV, temperature_B, generators, **trunc)
+            return sampler.sample(logits_BV, temperature_B, rngs, **trunc)
         # Image ids are never drawn, but the reported log-prob is over the full vocabulary (the engine
         # convention for truncation), which is what the learner recomputes.
         allowed_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
-        tokens_B, _ = sampler.sample(allowed_BV, temperature_B, generators, **trunc)
+        tokens_B, _ = sampler.sample(allowed_BV, temperature_B, rngs, **trunc)
         scaled_BV = sampler.temperature_scaled(logits_BV, temperature_B)
         return tokens_B, torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
 

@@ -16,12 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from rollout.engine import Request
 
 if TYPE_CHECKING:
     from rollout.native.images import RequestImages
+    from rollout.native.sampler import CounterRNG
 
 
 # Design notes (moved from the module docstring)
@@ -129,7 +128,7 @@ class Sequence:
     group: Group
     sample_index: int
     seed: int
-    generator: torch.Generator | None  # None for greedy requests
+    rng: CounterRNG | None  # None for greedy requests
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     adapter_versions: list[int] = field(default_factory=list)

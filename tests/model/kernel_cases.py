@@ -36,6 +36,7 @@ GROUPS = {
         "attention_v5_nvfp4_matches_v2_and_emulated_reference",
         "attention_v5_dequant_bit_exact",
     ],
+    "noise": ["counter_noise_equals_the_torch_formula"],
     "moe": [
         "moe_matches_reference",
         "moe_large_groups_match_reference",
@@ -226,7 +227,7 @@ def indexer_v3_c128_scores_and_selection_match_reference(device):
     summation error for query rows of very different magnitudes (fp16 alone would overflow at 3e4 x
     128 dims or flush 1e-6), and selections equal the reference for v3, v6 and the byte-wise v2."""
     from model.kernels.indexer import index_select_blocks_ref
-    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
+    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton, v6_applies
 
     gen = torch.Generator().manual_seed(11)
     for page, lens, q_mag in [(16, [70, 33], 1.0), (32, [100, 40], 3e4), (16, [50], 1e-6)]:
@@ -234,6 +235,8 @@ def indexer_v3_c128_scores_and_selection_match_reference(device):
         q = (cpu[0].float() * q_mag).to(torch.bfloat16)
         cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
         q, ic, table, seq, pos, _ = cpu
+        if not v6_applies(dev[0], dev[1].pages, "nvfp4"):  # else "v6" below would test v3's code
+            return False, f"page={page}: the v6 kernel does not apply to these inputs"
         for variant in ("v3", "v6"):
             got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5],
                                             variant=variant).cpu()  # fmt: skip
@@ -546,6 +549,31 @@ def gemv_v3_split_k_matches_reference(device):
     v3 = nvfp4_linear_triton(x, *args, variant="v3").float().cpu()
     if not (v3 - v2).abs().max() <= 2**-6 * v2.abs().max():
         return False, f"variant v3 vs v2: {(v3 - v2).abs().max()}"
+    return True, ""
+
+
+# -------------------------------------------------------------------------------------------- noise
+def counter_noise_equals_the_torch_formula(device):
+    """The Triton counter-noise kernel gives the torch formula's uniforms bit for bit and its
+    exponentials within 1e-6, for every row listed (shared, negative and 2^62-sized seeds; ragged
+    widths across the block size) and the fill value in rows not listed."""
+    from model.kernels.triton_noise import counter_noise_triton
+    from rollout.native import sampler
+
+    cpu = torch.device("cpu")
+    for n in (1, 264, 3000):
+        rngs = [sampler.CounterRNG(s) for s in (3, 2**62 + 5, -7, 0)]
+        keys = torch.tensor([r.next_key() for r in rngs], dtype=torch.int64)
+        bits = sampler.splitmix64_tensor(keys[:, None] + sampler._element_offsets(n, cpu))
+        want = ((bits >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
+        got = counter_noise_triton(keys.to(device), [0, 1, 2, 3], 4, n, False).cpu()
+        if not torch.equal(got, want):
+            return False, f"n={n}: uniforms differ at {int((got != want).sum())} places"
+        part = counter_noise_triton(keys[:2].to(device), [1, 3], 4, n, True).cpu()
+        if not torch.allclose(part[[1, 3]], -want[:2].log(), rtol=1e-6, atol=0):
+            return False, f"n={n}: exponentials differ"
+        if not (bool((part[[0, 2]] == 1).all()) and bool(torch.isfinite(part).all())):
+            return False, f"n={n}: rows not listed lost their fill value"
     return True, ""
 
 

@@ -64,7 +64,7 @@ class OracleProposer(Proposer):
                 block[j + 1 :] = torch.randint(3, V, (BLOCK - j - 1,), generator=g).tolist()
             rows.append(block)
         tokens_BN = torch.tensor(rows, dtype=torch.long)
-        is_sampling = any(s.generator is not None for s in seqs)
+        is_sampling = any(s.rng is not None for s in seqs)
         probs = torch.nn.functional.one_hot(tokens_BN, V).float() if is_sampling else None
         return Draft(tokens_BN, probs, torch.ones(tokens_BN.shape))
 

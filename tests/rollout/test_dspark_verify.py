@@ -10,6 +10,7 @@ import torch
 from rollout.dspark import verify as verify_mod
 from rollout.dspark.schedule import SpecConfig, choose_num_verify, fit_step_cost
 from rollout.dspark.verify import verify
+from rollout.native.sampler import CounterRNG
 
 V, K, ROWS = 4, 2, 30_000
 ALPHA = 1e-3  # significance: the real verifier fails by chance with probability 0.001 (fixed seed here)
@@ -38,7 +39,7 @@ def _run_verifier():
     d2 = torch.multinomial(q2, ROWS, replacement=True, generator=g)
     logits = torch.stack([p1_logits.expand(ROWS, V), p2_logits[d1], p3_logits[d2]], dim=1)
     probs = torch.stack([q1.expand(ROWS, V), q2.expand(ROWS, V)], dim=1)
-    gens = [torch.Generator().manual_seed(100 + i) for i in range(ROWS)]
+    gens = [CounterRNG(100 + i) for i in range(ROWS)]
     res = verify(logits, torch.stack([d1, d2], 1), probs, torch.full((ROWS,), K), torch.ones(ROWS),
                  gens)  # fmt: skip
     return res, p1_logits, p2_logits
@@ -113,7 +114,7 @@ def test_verify_with_truncation_never_emits_tokens_outside_top_k():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0]).expand(B, 2, V).clone()
     q = torch.full((B, 1, V), 0.25)
     drafts = torch.multinomial(q[:, 0], 1, replacement=True, generator=torch.Generator().manual_seed(0))
-    gens = [torch.Generator().manual_seed(i) for i in range(B)]
+    gens = [CounterRNG(i) for i in range(B)]
     res = verify(logits, drafts, q, torch.ones(B, dtype=torch.long), torch.ones(B), gens,
                  top_k_B=torch.full((B,), 2))  # fmt: skip
     emitted = torch.cat([res.tokens_BK1[b, : m + 1] for b, m in enumerate(res.num_accepted_B.tolist())])

@@ -30,7 +30,7 @@ def kept_ref(logits_V: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
 
 
 def gens(seeds):
-    return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    return [None if s is None else sampler.CounterRNG(s) for s in seeds]
 
 
 def test_truncation_mask_matches_per_row_reference():
@@ -97,7 +97,7 @@ def test_sampled_frequencies_follow_truncated_distribution():
     target = torch.zeros(V)
     target[list(keep)] = torch.softmax(scaled, -1)[list(keep)]
     target /= target.sum()
-    gen = torch.Generator().manual_seed(11)
+    gen = sampler.CounterRNG(11)  # one stream shared by every row: each row takes its next draw
     logits = logits_V.expand(N, V).contiguous()
     tok, _ = sampler.sample(logits, torch.full((N,), temp), [gen] * N, top_p_B=torch.full((N,), top_p))
     freq = torch.bincount(tok, minlength=V).double() / N
@@ -136,3 +136,33 @@ def test_invalid_requests_raise_clear_errors():
         Request((1, 2), seed=-1)
     with pytest.raises(ValueError, match="ints"):
         Request((1.5, 2))
+
+
+def test_counter_noise_is_uniform_independent_and_reproducible():
+    """The counter-based draws: uniform on (0, 1) (quantiles, mean), uncorrelated across rows, across
+    elements and across a row's consecutive draws, the same for the same (seed, draw count) whatever
+    the batch, and Exp(1) after -log (mean and variance 1)."""
+    rngs = [sampler.CounterRNG(s) for s in range(64)]
+    u = sampler.uniform_noise(rngs, 4096, torch.device("cpu"))
+    assert u.shape == (64, 4096) and float(u.min()) > 0 and float(u.max()) < 1
+    assert all(r.draws == 1 for r in rngs)
+    n = u.numel()
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    q = torch.quantile(u.flatten()[:100_000].double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    assert torch.allclose(q, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), atol=0.01)
+    corr = torch.corrcoef(u.double())  # rows
+    off = corr[~torch.eye(64, dtype=torch.bool)]
+    assert float(off.abs().max()) < 6 / math.sqrt(4096)
+    lag = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]).double())[0, 1]
+    assert abs(float(lag)) < 6 / math.sqrt(n)
+    again = sampler.uniform_noise(rngs, 4096, torch.device("cpu"))  # the next draw: new numbers
+    assert abs(
+        float(torch.corrcoef(torch.stack([u.flatten(), again.flatten()]).double())[0, 1])
+    ) < 6 / math.sqrt(n)
+    fresh = [sampler.CounterRNG(s) for s in (5, 3)]
+    alone = sampler.uniform_noise([None, fresh[0], None, fresh[1]], 4096, torch.device("cpu"))
+    assert torch.equal(alone[1], u[5]) and torch.equal(alone[3], u[3]) and float(alone[0].abs().max()) == 0
+    e = sampler.exponential_noise(
+        [sampler.CounterRNG(s) for s in range(16)], 8192, torch.device("cpu")
+    ).double()
+    assert abs(float(e.mean()) - 1) < 0.02 and abs(float(e.var()) - 1) < 0.05
