@@ -186,10 +186,13 @@ def build_tools_base(
     return info
 
 
-def ensure_tools_base(path: str | Path, device: str = "cpu", log=_say) -> Path:
+def ensure_tools_base(path: str | Path, device: str = "cpu", threads: int | None = None, log=_say) -> Path:
+    """`path`, built first if missing, with `threads` torch CPU threads (None: torch's default)."""
     path = Path(path)
     if (path / INFO_FILE).exists() and recorded_tokenizer(path) is not None:
         return path
+    if threads is not None:
+        torch.set_num_threads(threads)
     log(f"building the tools base at {path} (supervised warm-up, once; cached afterwards)")
     build_tools_base(path, device=device, log=log)
     return path
