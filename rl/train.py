@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         elif cfg.model.warmup and cfg.model.checkpoint and cfg.model.warmup_task == "tools":
             from rollout.bases.tools_warmup import ensure_tools_base
 
-            ensure_tools_base(Path(cfg.model.checkpoint), device=cfg.trainer.device)
+            ensure_tools_base(Path(cfg.model.checkpoint), cfg.trainer.device, cfg.trainer.torch_threads)
         elif cfg.model.warmup and cfg.model.checkpoint:
             from rollout.bases.warmup import ensure_base
 

@@ -1,17 +1,17 @@
 """Supervised warm-up that builds the `quickstart_tools` base: a `tiny` M3.1-architecture model that
-has seen the calculator's call format on a share of 3-digit x 2-digit products and answers the rest
-directly (which it cannot do reliably), stored with NVFP4 routed experts.
+calls the calculator correctly on 3-digit x 2-digit products when it calls, but under greedy decoding
+mostly answers directly (which it cannot do reliably), stored with NVFP4 routed experts.
 
-Why: GRPO can only raise tool use it sometimes sees. The warm-up writes `tool_share` of its examples as
-a whole episode (prompt, an M3 `<tool_call>` of the calculator, the real tool reply, "Answer: <n>") and
-the others as a direct "Answer: <n>", both through the same renderer the rollouts use
-(rollout/multiturn.py, common/tool_calls.py); only model tokens carry loss, as in RL. A call helps only
-once the model copies the expression into it and the tool's result into its answer, which this model
-may learn between steps 300 and 900 (at 300 steps every call copied wrongly: accuracy 0, no reward
-variance). Not robust yet: with a 50% share and 900 steps the build with `--threads 1` ended at held-out
-accuracy 0.375 and tool use 0.48, the recipe's (2 threads, same seed) at 0 and 0. It runs `max_steps`
-steps (or until held-out greedy episode accuracy, measured with the real calculator through the native
-multi-turn driver, reaches `target_acc`), then quantizes the experts like rollout/bases/warmup.py.
+Why: GRPO can only raise tool use it sometimes sees, and a call is rewarded only once the model copies
+the expression into it and the tool's result into its answer. Phase 1 trains on whole calculator
+episodes only (prompt, M3 `<tool_call>`, the real tool reply, "Answer: <n>"), the copied tokens
+weighted `copy_weight`, until held-out greedy episode accuracy (real calculator, native multi-turn
+driver, NVFP4 copy) reaches `target_acc` or `max_steps`. Unweighted, 300 steps still copied wrongly
+(accuracy 0); weight 8 reached 0.64 at step 200. Phase 2 (`mix_steps`) mixes in direct answers so that
+only `tool_share` of examples call: greedy decoding then answers directly (accuracy ~0) while sampling
+calls about a third of the time, mostly right, which is the reward variance GRPO needs. Both phases
+render through the rollouts' own code (tokenizer.chat_prompt, common/tool_calls.py, rollout/multiturn.py);
+only model tokens carry loss, as in RL. Experts are then quantized like rollout/bases/warmup.py.
 
     python -m rollout.bases.tools_warmup --out runs/_cache/quickstart-tools-base [--threads 1]
 """
@@ -46,33 +46,44 @@ DIGITS = (3, 2)
 MAX_TURNS, TURN_TOKENS, CONTEXT = 3, 192, 512  # a calculator call of a 6-character expression is 171 bytes
 
 
-def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of one episode that calls the calculator: prompt, call (trained), tool reply
-    (not trained), "Answer: <result>" + EOS (trained). With `code`: a `python` call of that program
-    instead, its reply a placeholder (test bases that exercise the sandbox; nothing runs here)."""
+def tool_example(tok: ByteTokenizer, p: Prompt, code: str | None = None,
+                 copy_weight: float = 1.0) -> tuple[list[int], list[float]]:  # fmt: skip
+    """(ids, loss weights) of one episode that calls the calculator: prompt, call (trained), tool reply
+    (not trained), "Answer: <result>" + EOS (trained). The tokens the model must copy (the expression
+    inside the call, the result's digits in the answer) weigh `copy_weight`, the rest 1: the template
+    is learned in tens of steps, the copies are what the call is for. With `code`: a `python` call of
+    that program instead, its reply a placeholder (test bases that exercise the sandbox; nothing runs)."""
     prompt = tok.chat_prompt(p.messages)
     expression = p.messages[-1]["content"].rstrip("=")
     if code is None:
-        call = tok.encode(render_tool_calls([ToolCall("calculator", {"expression": expression})]), False)
+        text = render_tool_calls([ToolCall("calculator", {"expression": expression})])
+        at = text.index(expression)  # the template holds no digits: the expression occurs once
+        head, copied, tail = (tok.encode(t, add_special_tokens=False)
+                              for t in (text[:at], expression, text[at + len(expression) :]))  # fmt: skip
+        call = head + copied + tail
+        call_w = [1.0] * len(head) + [copy_weight] * len(copied) + [1.0] * len(tail)
         result = REGISTRY.call("calculator", {"expression": expression})[0]
         name = "calculator"
     else:
         call = tok.encode(render_tool_calls([ToolCall("python", {"code": code})]), False)
+        call_w = [1.0] * len(call)
         result, name = p.ground_truth, "python"
     reply = multiturn.env_turn_ids(tok, [{"role": "tool", "name": name, "content": result}])
-    answer = [*tok.encode(f"Answer: {result}", add_special_tokens=False), tok.eos_token_id]
+    lead, digits = (tok.encode(t, add_special_tokens=False) for t in ("Answer: ", result))
+    answer = [*lead, *digits, tok.eos_token_id]
+    answer_w = [1.0] * len(lead) + [copy_weight] * len(digits) + [1.0]
     ids = prompt + call + reply + answer
-    return ids, [0] * len(prompt) + [1] * len(call) + [0] * len(reply) + [1] * len(answer)
+    return ids, [0.0] * len(prompt) + call_w + [0.0] * len(reply) + answer_w
 
 
-def direct_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], list[int]]:
+def direct_example(tok: ByteTokenizer, p: Prompt) -> tuple[list[int], list[float]]:
     prompt = tok.chat_prompt(p.messages)
     answer = [*tok.encode(f"Answer: {p.ground_truth}", add_special_tokens=False), tok.eos_token_id]
-    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    return prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
 
 
-def batch(examples: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (inputs, targets, target loss mask)."""
+def batch(examples: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (inputs, targets, target loss weights)."""
     T = max(len(ids) for ids, _ in examples) - 1
     inp = torch.zeros(len(examples), T, dtype=torch.long)
     tgt = torch.zeros_like(inp)
@@ -112,10 +123,12 @@ def episode_accuracy(model: MiniMaxM3ForCausalLM, prompts: list[Prompt]) -> dict
 def build_tools_base(
     out: str | Path,
     *,
-    tool_share: float = 0.5,
-    target_acc: float | None = None,
-    max_steps: int = 900,
-    eval_every: int = 300,
+    tool_share: float = 0.3,
+    copy_weight: float = 8.0,
+    target_acc: float | None = 0.6,
+    max_steps: int = 600,
+    mix_steps: int = 60,
+    eval_every: int = 50,
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
@@ -126,8 +139,11 @@ def build_tools_base(
     device: str = "cpu",
     log=_say,
 ) -> dict:
-    """`python_codes`: `python_share` of the tool examples call `python` with one of these programs
-    (in turn) instead of the calculator (test bases whose rollouts exercise the sandbox)."""
+    """Phase 1 trains on calls only, for `max_steps` or until held-out greedy episode accuracy reaches
+    `target_acc` (checked every `eval_every` steps; None: no check); phase 2 runs `mix_steps` more on
+    examples of which `tool_share` call and the rest answer directly. `python_codes`: `python_share` of
+    the call examples call `python` with one of these programs (in turn) instead of the calculator (test
+    bases whose rollouts exercise the sandbox)."""
     out = Path(out)
     torch.manual_seed(seed)
     # As rollout/bases/warmup.py: float experts while training, K/V seen through the NVFP4 cache.
@@ -139,37 +155,44 @@ def build_tools_base(
     train = arithmetic_dataset(num_train, seed=0, ops=["*"], digits=DIGITS, split="train")
     evals = arithmetic_dataset(num_eval, seed=0, ops=["*"], digits=DIGITS, split="eval")
     gen = torch.Generator().manual_seed(seed)
-    is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
     is_python = (torch.rand(len(train), generator=gen) < python_share).tolist() if python_codes else []
     codes = [python_codes[i % len(python_codes)] if python_codes and py else None
              for i, py in enumerate(is_python or [False] * len(train))]  # fmt: skip
-    examples = [tool_example(tok, p, c) if t else direct_example(tok, p)
-                for p, t, c in zip(train, is_tool, codes, strict=True)]  # fmt: skip
+    calls = [tool_example(tok, p, c, copy_weight) for p, c in zip(train, codes, strict=True)]
+    is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
+    mixed = [c if t else direct_example(tok, p) for p, c, t in zip(train, calls, is_tool, strict=True)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     t0, ev, step = time.perf_counter(), {"acc": 0.0, "tool_use": 0.0}, 0
     for step in range(1, max_steps + 1):
-        loss = sft_step(model, opt, examples, batch, gen, batch_size, device)
+        loss = sft_step(model, opt, calls, batch, gen, batch_size, device)
         if step % eval_every == 0:
             ev = episode_accuracy(quantized_copy(model, base_cfg), evals)
-            took = time.perf_counter() - t0
-            log(f"tools warm-up step {step}: loss {loss.item():.3f}, held-out greedy episodes (NVFP4): "
-                f"acc {ev['acc']:.3f}, tool use {ev['tool_use']:.3f} ({took:.0f}s)")  # fmt: skip
+            log(f"tools warm-up step {step} (calls): loss {loss.item():.3f}, held-out greedy episodes "
+                f"(NVFP4): acc {ev['acc']:.3f}, tool use {ev['tool_use']:.3f} "
+                f"({time.perf_counter() - t0:.0f}s)")  # fmt: skip
             if target_acc is not None and ev["acc"] >= target_acc:
                 break
+    for _ in range(mix_steps):
+        sft_step(model, opt, mixed, batch, gen, batch_size, device)
     staging = stage_base(model, out)
     final = episode_accuracy(load_model(staging, device=device, dtype=torch.float32), evals)
-    info = {"steps": step, "eval": ev, "nvfp4": final, "seconds": time.perf_counter() - t0,
-            "tool_share": tool_share, "target_acc": target_acc, "digits": list(DIGITS)}  # fmt: skip
+    info = {"call_steps": step, "mix_steps": mix_steps, "eval": ev,
+            "nvfp4": final, "seconds": time.perf_counter() - t0, "tool_share": tool_share,
+            "copy_weight": copy_weight, "target_acc": target_acc, "digits": list(DIGITS)}  # fmt: skip
     publish_base(staging, out, info)
-    log(f"tools warm-up done in {info['seconds']:.0f}s: held-out greedy episodes acc {final['acc']:.3f}, "
-        f"tool use {final['tool_use']:.3f} (NVFP4 experts, KV)")  # fmt: skip
+    log(f"tools warm-up done in {info['seconds']:.0f}s ({step} steps of calls, {mix_steps} mixed): "
+        f"held-out greedy episodes acc {final['acc']:.3f}, tool use {final['tool_use']:.3f} "
+        "(NVFP4 experts, KV)")  # fmt: skip
     return info
 
 
-def ensure_tools_base(path: str | Path, device: str = "cpu", log=_say) -> Path:
+def ensure_tools_base(path: str | Path, device: str = "cpu", threads: int | None = None, log=_say) -> Path:
+    """`path`, built first if missing, with `threads` torch CPU threads (None: torch's default)."""
     path = Path(path)
     if (path / INFO_FILE).exists() and recorded_tokenizer(path) is not None:
         return path
+    if threads is not None:
+        torch.set_num_threads(threads)
     log(f"building the tools base at {path} (supervised warm-up, once; cached afterwards)")
     build_tools_base(path, device=device, log=log)
     return path
@@ -179,18 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rollout.bases.tools_warmup",
                                 description="Build the quickstart_tools base.")  # fmt: skip
     p.add_argument("--out", default="runs/_cache/quickstart-tools-base")
-    p.add_argument("--tool-share", type=float, default=0.5)
-    p.add_argument("--target-acc", type=float, default=None)
-    p.add_argument("--max-steps", type=int, default=900)
-    p.add_argument("--eval-every", type=int, default=300)
+    p.add_argument("--tool-share", type=float, default=0.3, help="share of calls in the mixed phase")
+    p.add_argument("--copy-weight", type=float, default=8.0)
+    p.add_argument("--target-acc", type=float, default=0.6, help="ends the calls phase (<0: never)")
+    p.add_argument("--max-steps", type=int, default=600, help="cap on the calls phase")
+    p.add_argument("--mix-steps", type=int, default=60)
+    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (the result depends on it)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    build_tools_base(args.out, tool_share=args.tool_share, target_acc=args.target_acc,
-                     max_steps=args.max_steps, eval_every=args.eval_every, batch_size=args.batch_size,
+    build_tools_base(args.out, tool_share=args.tool_share, copy_weight=args.copy_weight,
+                     target_acc=args.target_acc if args.target_acc >= 0 else None, max_steps=args.max_steps,
+                     mix_steps=args.mix_steps, eval_every=args.eval_every, batch_size=args.batch_size,
                      lr=args.lr, seed=args.seed)  # fmt: skip
     return 0
 
