@@ -1,6 +1,6 @@
 """Equivalence checks of the Triton decode kernels against their torch references.
 
-Run in a subprocess with TRITON_INTERPRET=1 by tests/model/test_kernels_*.py (CPU), so the
+Run in a subprocess with TRITON_INTERPRET=1 by tests/model/test_kernel_groups.py (CPU), so the
 interpreter flag never leaks into the rest of the test session (Triton picks interpreter vs compiled
 kernels when a kernel module is imported), and in-process on CUDA by the gpu-marked tests.
 `python -m tests.model.kernel_cases GROUP` prints {check name: [ok, message]} as one JSON line.

@@ -1,7 +1,7 @@
 """Block-sparse MSA training attention (Triton forward/backward, FlexAttention twin) vs the dense reference.
 
-CPU: the checks below run in one subprocess under TRITON_INTERPRET=1 (as tests/model/test_kernels_*.py
-do); each pytest test reads one check's result. GPU (-m gpu): the same checks on CUDA, in process.
+CPU: the checks below run in one subprocess under TRITON_INTERPRET=1 (as tests/model/test_kernel_groups.py
+does); each pytest test reads one check's result. GPU (-m gpu): the same checks on CUDA, in process.
 `python -m tests.model.test_kernels_train_msa [check ...]` prints {check: [ok, message]} as JSON.
 
 Every check poisons the kernels' outputs and gradients with NaN first (`POISON_OUTPUTS`). Problems mix
