@@ -93,13 +93,10 @@ def test_byte_chat_prompt_with_tools_is_the_plain_tool_template():
 
 def _word_level(tmp_path, template: str | None):
     tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
+    from tests.common.hf_tokenizers import saved_hf_tokenizer
 
     raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "a": 2}, unk_token="a"))
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
-    tok.chat_template = template
-    tok.save_pretrained(tmp_path)
-    return load_tokenizer(str(tmp_path))
+    return saved_hf_tokenizer(tmp_path, raw, template)
 
 
 def test_hf_template_gets_tools_and_tool_calls_with_dict_arguments(tmp_path):

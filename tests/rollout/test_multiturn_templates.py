@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from common.tokenizer import load_tokenizer
 from common.tool_calls import ToolCall, render_tool_calls
 from rollout import multiturn
 
@@ -23,17 +22,14 @@ M3_LIKE = (
 
 def _byte_level(tmp_path, template: str):
     tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
+    from tests.common.hf_tokenizers import saved_hf_tokenizer
 
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<s>": 0, "</s>": 1, **{ch: i + 2 for i, ch in enumerate(sorted(alphabet))}}
     raw = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     raw.decoder = tokenizers.decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
-    tok.chat_template = template
-    tok.save_pretrained(tmp_path)
-    return load_tokenizer(str(tmp_path))
+    return saved_hf_tokenizer(tmp_path, raw, template)
 
 
 def test_appended_environment_tokens_continue_the_templates_own_rendering(tmp_path):
