@@ -55,14 +55,20 @@ def load_key_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl
 
 
 @triton.jit
-def _q_to_f16(q_nc):
-    """fp32 query rows -> (fp16 rows scaled by a power of two so each row's amax lies in [2^14, 2^15),
-    the inverse factor per row). Exact for every bf16 value above amax * 2^-31; the factor keeps fp16
-    from overflowing (its max is 65504) whatever the query's range."""
+def _pow2_prescale(q_nc):
+    """Per fp32 query row: (the power of two that puts the row's amax in [2^14, 2^15), its inverse).
+    Scaled by it, every bf16 value above amax * 2^-31 is exact in fp16 and none overflows (65504)."""
     amax_n = tl.max(tl.abs(q_nc), axis=1)
     e_n = tl.maximum((amax_n.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent, >= 15
     mul_n = ((268 - e_n) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
     inv_n = ((e_n - 14) << 23).to(tl.float32, bitcast=True)  # its inverse, a normal fp32
+    return mul_n, inv_n
+
+
+@triton.jit
+def _q_to_f16(q_nc):
+    """fp32 query rows -> (fp16 rows scaled by `_pow2_prescale`, the inverse factor per row)."""
+    mul_n, inv_n = _pow2_prescale(q_nc)
     return (q_nc * mul_n[:, None]).to(tl.float16), inv_n
 
 
@@ -204,17 +210,12 @@ def _index_scores_v6_kernel(
     col_n = offs_w // NB
     col_b = offs_w % NB
     q_row = q_ptr + pid_t * stride_qt
-    # Per-column power-of-two prescale from the column's whole head row (as `_q_to_f16`).
-    q_wc = tl.load(q_row + col_n[:, None] * stride_qn + offs_c[None, :], mask=(col_n < N)[:, None], other=0.0)
-    amax_w = tl.max(tl.abs(q_wc.to(tl.float32)), axis=1)
-    e_w = tl.maximum((amax_w.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)
-    mul_w = ((268 - e_w) << 23).to(tl.float32, bitcast=True)
     q_nc = tl.load(
         q_row + offs_n[:, None] * stride_qn + offs_c[None, :], mask=(offs_n < N)[:, None], other=0.0
     )
-    amax_n = tl.max(tl.abs(q_nc.to(tl.float32)), axis=1)
-    e_n = tl.maximum((amax_n.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)
-    g_n = ((e_n - 14) << 23).to(tl.float32, bitcast=True) * (tl.load(scale_ptr).to(tl.float32) * 64.0)
+    mul_n, inv_n = _pow2_prescale(q_nc.to(tl.float32))  # as v3's `_q_to_f16`
+    mul_w = tl.reshape(tl.broadcast_to(mul_n[:, None], (NP, NB)), (W,))  # column w = n * NB + b: head n's
+    g_n = inv_n * (tl.load(scale_ptr).to(tl.float32) * 64.0)
     is_w = ((offs_j[:, None] // 8) == col_b[None, :]) & (col_n < N)[None, :]
     q_even = q_row + col_n[None, :] * stride_qn + 2 * offs_j[:, None]
     qe_jw = (tl.load(q_even, mask=is_w, other=0.0).to(tl.float32) * mul_w[None, :]).to(tl.float16)
@@ -227,8 +228,9 @@ def _index_scores_v6_kernel(
         for u in tl.static_range(NSUB):
             rows = pages_ptr + page * stride_pp + (u * SUB + offs_s[:, None]) * ROW
             # Unmasked: a visible block's page is allocated; keys past pos are dropped below.
-            even_sj = _e2m1_half_f16(tl.load(rows + offs_j[None, :]), False, HW)
-            odd_sj = _e2m1_half_f16(tl.load(rows + offs_j[None, :]), True, HW)
+            codes_sj = tl.load(rows + offs_j[None, :])
+            even_sj = _e2m1_half_f16(codes_sj, False, HW)
+            odd_sj = _e2m1_half_f16(codes_sj, True, HW)
             part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
             bscale_sw = tl.load(rows + HALF + col_b[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s_sn = tl.sum(tl.reshape(part_sw * bscale_sw, (SUB, NP, NB)), axis=2)
