@@ -1,11 +1,11 @@
 """Counter-based sampling noise on CUDA: one launch fills a whole batch's draw.
 
-What: out[rows[r], j] = u (or -log u) with u = ((splitmix64(key_r + j * golden) >> 40) + 0.5) / 2^24,
-the values rollout/native/sampler.py computes with torch ops on the CPU. Why: in torch that formula is
-a dozen passes over a [B, V] int64 tensor (at B = 64 and M3's 200K vocabulary about 1 GB of traffic
-per step); here each value is computed in registers and written once.
-Invariants: uniforms equal the torch formula's bit for bit (integer hash, exact conversion); the
-exponential's log may differ from torch.log in the last ulp; rows not listed keep the fill value.
+What: out[row_r, j] = u (or -log u) with u = ((splitmix64(key_r + j * golden) >> 40) + 0.5) / 2^24,
+as rollout/native/sampler.py's torch twin `counter_noise_torch` (the CPU path) computes it. Why: in
+torch that is a dozen passes over a [B, V] int64 tensor (at B = 64 and M3's 200K vocabulary about
+1 GB of traffic per step); here each value is computed in registers and written once.
+Invariants: uniforms equal the torch twin's bit for bit (integer hash, exact conversion); the
+exponential's log may differ from torch.log in the last ulp; rows not listed are not written.
 """
 
 import torch
@@ -21,11 +21,11 @@ BLOCK = 1024
 
 
 @triton.jit
-def _noise_kernel(keys_ptr, rows_ptr, out_ptr, n, stride_o, EXP: tl.constexpr, BLOCK: tl.constexpr):
+def _noise_kernel(row_key_ptr, out_ptr, n, stride_o, EXP: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(keys_ptr + r).to(tl.uint64, bitcast=True)
-    row = tl.load(rows_ptr + r).to(tl.int64)
+    row = tl.load(row_key_ptr + 2 * r)
+    key = tl.load(row_key_ptr + 2 * r + 1).to(tl.uint64, bitcast=True)
     z = key + j.to(tl.uint64) * GOLDEN  # unsigned: wrapping multiplies, logical shifts
     z = (z ^ (z >> 30)) * MIX1
     z = (z ^ (z >> 27)) * MIX2
@@ -37,19 +37,10 @@ def _noise_kernel(keys_ptr, rows_ptr, out_ptr, n, stride_o, EXP: tl.constexpr, B
 
 
 @opaque_to_compile
-def counter_noise_triton(
-    keys_R: torch.Tensor, rows: list[int], B: int, n: int, exponential: bool
-) -> torch.Tensor:
-    """[B, n] fp32 on keys_R's device: row rows[r] from draw key keys_R[r] (int64), the others 0
-    (uniforms) or 1 (exponential)."""
-    device = keys_R.device
-    if len(rows) == B:
-        out = torch.empty((B, n), dtype=torch.float32, device=device)
-        rows_R = torch.arange(B, dtype=torch.int32, device=device)
-    else:
-        out = torch.full((B, n), 1.0 if exponential else 0.0, dtype=torch.float32, device=device)
-        rows_R = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
-    if rows and n:
-        grid = (len(rows), triton.cdiv(n, BLOCK))
-        _noise_kernel[grid](keys_R, rows_R, out, n, out.stride(0), EXP=exponential, BLOCK=BLOCK)
-    return out
+def counter_noise_triton(row_key_R2: torch.Tensor, out_Bn: torch.Tensor, exponential: bool) -> None:
+    """Writes row row_key_R2[r, 0] of `out_Bn` (fp32 [B, n]) from the draw key row_key_R2[r, 1] (int64
+    pairs on out's device); the other rows are left as they are."""
+    R, n = row_key_R2.shape[0], out_Bn.shape[1]
+    if R and n:
+        grid = (R, triton.cdiv(n, BLOCK))
+        _noise_kernel[grid](row_key_R2, out_Bn, n, out_Bn.stride(0), EXP=exponential, BLOCK=BLOCK)

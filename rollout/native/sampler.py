@@ -128,20 +128,26 @@ def _draw(rngs: list[CounterRNG | None], n: int, device: torch.device, exponenti
     fill = 1.0 if exponential else 0.0
     if not rows:
         return torch.full((B, n), fill, dtype=torch.float32, device=device)
-    # In row order: an rng shared by several rows gives each its next draw.
-    keys_R = torch.tensor([rngs[b].next_key() for b in rows], dtype=torch.int64).to(device, non_blocking=True)
+    # (row, key) pairs in one host-to-device copy; in row order, so an rng shared by several rows
+    # gives each its next draw.
+    row_key_R2 = torch.tensor([(b, rngs[b].next_key()) for b in rows], dtype=torch.int64).to(device)
+    out_Bn = torch.full((B, n), fill, dtype=torch.float32, device=device)
     if device.type == "cuda":
         from model.kernels.triton_noise import counter_noise_triton
 
-        return counter_noise_triton(keys_R, rows, B, n, exponential)
-    bits_Rn = splitmix64_tensor(keys_R[:, None] + _element_offsets(n, device))
-    u_Rn = ((bits_Rn >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
-    out_Rn = u_Rn.log_().neg_() if exponential else u_Rn
-    if len(rows) == B:
-        return out_Rn
-    out_Bn = torch.full((B, n), fill, dtype=torch.float32, device=device)
-    out_Bn[torch.tensor(rows, device=device)] = out_Rn
+        counter_noise_triton(row_key_R2, out_Bn, exponential)
+    else:
+        counter_noise_torch(row_key_R2, out_Bn, exponential)
     return out_Bn
+
+
+def counter_noise_torch(row_key_R2: torch.Tensor, out_Bn: torch.Tensor, exponential: bool) -> None:
+    """Row row_key_R2[r, 0] of `out_Bn` from the draw key row_key_R2[r, 1]: element j is u = ((bits >> 40)
+    + 0.5) / 2^24 with bits = splitmix64(key + j * golden), or -log u; the torch twin of
+    model.kernels.triton_noise.counter_noise_triton (the other rows are left as they are)."""
+    bits_Rn = splitmix64_tensor(row_key_R2[:, 1:] + _element_offsets(out_Bn.shape[1], out_Bn.device))
+    u_Rn = ((bits_Rn >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
+    out_Bn[row_key_R2[:, 0]] = u_Rn.log_().neg_() if exponential else u_Rn
 
 
 def uniform_noise(rngs: list[CounterRNG | None], n: int, device: torch.device) -> torch.Tensor:
@@ -174,7 +180,7 @@ def sample(
         raise ValueError(f"need temperature_B [{B}] and {B} rngs, got "
                          f"{tuple(temperature_B.shape)} and {len(rngs)}")  # fmt: skip
     scaled_BV = temperature_scaled(logits_BV, temperature_B)
-    if all(g is None for g in rngs):  # every row greedy: skip the random draw's ~10 launches
+    if all(g is None for g in rngs):  # every row greedy: no draw, no truncation
         tokens_B = scaled_BV.argmax(dim=-1)
         return tokens_B, torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
     keep_BV = truncation_mask(scaled_BV, top_k_B, top_p_B, min_p_B)

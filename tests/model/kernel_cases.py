@@ -554,26 +554,26 @@ def gemv_v3_split_k_matches_reference(device):
 
 # -------------------------------------------------------------------------------------------- noise
 def counter_noise_equals_the_torch_formula(device):
-    """The Triton counter-noise kernel gives the torch formula's uniforms bit for bit and its
+    """The Triton counter-noise kernel gives its torch twin's uniforms bit for bit and its
     exponentials within 1e-6, for every row listed (shared, negative and 2^62-sized seeds; ragged
-    widths across the block size) and the fill value in rows not listed."""
+    widths across the block size), and leaves the rows not listed as they were."""
     from model.kernels.triton_noise import counter_noise_triton
-    from rollout.native import sampler
+    from rollout.native.sampler import CounterRNG, counter_noise_torch
 
-    cpu = torch.device("cpu")
     for n in (1, 264, 3000):
-        rngs = [sampler.CounterRNG(s) for s in (3, 2**62 + 5, -7, 0)]
-        keys = torch.tensor([r.next_key() for r in rngs], dtype=torch.int64)
-        bits = sampler.splitmix64_tensor(keys[:, None] + sampler._element_offsets(n, cpu))
-        want = ((bits >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
-        got = counter_noise_triton(keys.to(device), [0, 1, 2, 3], 4, n, False).cpu()
-        if not torch.equal(got, want):
-            return False, f"n={n}: uniforms differ at {int((got != want).sum())} places"
-        part = counter_noise_triton(keys[:2].to(device), [1, 3], 4, n, True).cpu()
-        if not torch.allclose(part[[1, 3]], -want[:2].log(), rtol=1e-6, atol=0):
-            return False, f"n={n}: exponentials differ"
-        if not (bool((part[[0, 2]] == 1).all()) and bool(torch.isfinite(part).all())):
-            return False, f"n={n}: rows not listed lost their fill value"
+        rngs = [CounterRNG(s) for s in (3, 2**62 + 5, -7, 0)]
+        row_key = torch.tensor([(b, r.next_key()) for b, r in enumerate(rngs)], dtype=torch.int64)
+        for exponential, rows in ((False, [0, 1, 2, 3]), (True, [1, 3])):
+            want = torch.full((4, n), 7.0)
+            counter_noise_torch(row_key[rows], want, exponential)
+            got = torch.full((4, n), 7.0, device=device)
+            counter_noise_triton(row_key[rows].to(device), got, exponential)
+            got = got.cpu()
+            same = torch.equal(got, want) if not exponential else torch.allclose(got, want, rtol=1e-6, atol=0)
+            if not same:
+                return False, f"n={n} exponential={exponential}: {int((got != want).sum())} values differ"
+            if not bool((got[[r for r in range(4) if r not in rows]] == 7.0).all()):
+                return False, f"n={n}: rows not listed were written"
     return True, ""
 
 
