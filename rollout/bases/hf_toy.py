@@ -24,9 +24,8 @@ import torch
 from common.data import arithmetic_dataset
 from common.scoring import score_math_dapo
 from common.tokenizer import ByteTokenizer
-from rollout.bases.warmup import answer_example, sft_batch, sft_update
+from rollout.bases.warmup import INFO_FILE, answer_example, cached_base, sft_batch, sft_update
 
-INFO_FILE = "warmup.json"
 TARGET_ACC = 0.25  # at 0.15 (600 steps) GRPO barely moved in 40 steps (0.156 -> 0.172); at 0.25 it rises
 
 
@@ -121,14 +120,12 @@ def build_hf_toy_base(
 
 
 def ensure_hf_toy_base(path: str | Path, log=print) -> Path:
-    """Build the base at `path` unless it holds one built for the current TARGET_ACC (an older cache,
-    built for another target, is rebuilt: the vLLM recipe's curve depends on the start)."""
+    """`path`, built first unless it holds a base warmed up to TARGET_ACC (`cached_base`)."""
     path = Path(path)
-    info = path / INFO_FILE
-    built_for = json.loads(info.read_text()).get("target_acc") if info.exists() else None
-    if built_for != TARGET_ACC:
-        why = "once; cached afterwards" if built_for is None else f"the cached one was built for {built_for}"
-        log(f"building the tiny Qwen3 arithmetic base at {path} (supervised warm-up to {TARGET_ACC}; {why})")
+    if not cached_base(path, {"target_acc": TARGET_ACC}, log):
+        log(
+            f"building the tiny Qwen3 arithmetic base at {path} (supervised warm-up, once; cached afterwards)"
+        )
         build_hf_toy_base(path, log=log)
     return path
 

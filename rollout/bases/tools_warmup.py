@@ -36,7 +36,14 @@ from model.checkpoint import load_model
 from model.config import ModelConfig, QuantConfig
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout import multiturn
-from rollout.bases.warmup import INFO_FILE, publish_base, quantized_copy, sft_step, stage_base
+from rollout.bases.warmup import (
+    builder_defaults,
+    cached_base,
+    publish_base,
+    quantized_copy,
+    sft_step,
+    stage_base,
+)
 from rollout.engine import SamplingParams
 from rollout.tools.env import ToolEnv
 from rollout.tools.registry import REGISTRY
@@ -189,7 +196,8 @@ def build_tools_base(
 def ensure_tools_base(path: str | Path, device: str = "cpu", threads: int | None = None, log=_say) -> Path:
     """`path`, built first if missing, with `threads` torch CPU threads (None: torch's default)."""
     path = Path(path)
-    if (path / INFO_FILE).exists() and recorded_tokenizer(path) is not None:
+    settings = builder_defaults(build_tools_base, "tool_share", "copy_weight", "target_acc", "mix_steps")
+    if cached_base(path, settings, log) and recorded_tokenizer(path) is not None:
         return path
     if threads is not None:
         torch.set_num_threads(threads)

@@ -4,8 +4,8 @@ answers a fraction of the synthetic arithmetic problems, stored with NVFP4 route
 Why: GRPO needs reward variance inside a group; a random model scores -1 everywhere, a converged one
 leaves nothing to learn. The warm-up trains on the training split until held-out greedy accuracy first
 reaches `target_acc`, quantizes the experts with model/convert.py and measures the starting accuracy.
-`ensure_base(path)` builds it once; later runs reuse the directory (keyed only by its path: delete it
-to rebuild).
+`ensure_base(path)` builds it once; later runs reuse the directory while its warm-up record matches
+the builder's defining settings (`cached_base`: a cache from an older builder is rebuilt).
 
     python -m rollout.bases.warmup --out runs/_cache/quickstart-base
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import shutil
 import sys
@@ -90,6 +91,26 @@ def stage_base(model: MiniMaxM3ForCausalLM, out: Path, quantize: bool = True) ->
         else:
             shutil.copytree(Path(tmp) / "float", staging)
     return staging
+
+
+def builder_defaults(builder, *names: str) -> dict:
+    """The default values of `builder`'s arguments `names` (what a cached base must record)."""
+    params = inspect.signature(builder).parameters
+    return {name: params[name].default for name in names}
+
+
+def cached_base(path: str | Path, settings: dict, log=print) -> bool:
+    """Whether `path` holds a finished base (its warm-up record) built with `settings`. A base recorded
+    with other values, or without them (a cache from an older builder), is named and not reused."""
+    info = Path(path) / INFO_FILE
+    if not info.exists():
+        return False
+    recorded = json.loads(info.read_text())
+    stale = {k: recorded.get(k) for k, v in settings.items() if recorded.get(k) != v}
+    if stale:
+        want = {k: settings[k] for k in stale}
+        log(f"the base cached at {path} was built with {stale}; the builder now uses {want}: rebuilding it")
+    return not stale
 
 
 def publish_base(staging: Path, out: Path, info: dict) -> None:
@@ -198,7 +219,7 @@ def build_quickstart_base(
 
 def ensure_base(path: str | Path, preset: str = "tiny", device: str = "cpu", log=print) -> Path:
     path = Path(path)
-    if (path / INFO_FILE).exists():
+    if cached_base(path, {"preset": preset, **builder_defaults(build_quickstart_base, "target_acc")}, log):
         if recorded_tokenizer(path) is None:  # a base cached before checkpoints recorded their tokenizer
             write_tokenizer_record(path, "byte")
         return path

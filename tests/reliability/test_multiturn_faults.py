@@ -24,7 +24,8 @@ ray = pytest.importorskip("ray")
 
 from rl.config import load_config  # noqa: E402
 from rl.trainer import Trainer  # noqa: E402
-from rollout.bases.tools_warmup import INFO_FILE, build_tools_base  # noqa: E402
+from rollout.bases.tools_warmup import build_tools_base  # noqa: E402
+from rollout.bases.warmup import cached_base  # noqa: E402
 from tests.reliability.drivers import rl_train  # noqa: E402
 
 pytestmark = pytest.mark.reliability
@@ -55,7 +56,7 @@ IGNORED = ("timing_s/", "perf/", "sync/seconds", "sync/engine", "faults/", "mult
 
 @pytest.fixture(scope="module")
 def ray_local():
-    if not (BASE / INFO_FILE).exists():
+    if not cached_base(BASE, {"tool_share": 1.0, "mix_steps": 0, "copy_weight": 8.0}):
         # Every example a `python` call of one of the programs: 150 steps of a calculator / python mix
         # left sampled calls malformed (tags never closed), so no program reached the sandbox.
         build_tools_base(BASE, tool_share=1.0, python_share=1.0, max_steps=300, mix_steps=0,

@@ -41,3 +41,22 @@ def test_direct_example_trains_the_whole_answer():
     ids, weights = direct_example(tok, p)
     n_prompt = len(tok.chat_prompt(p.messages))
     assert weights == [0.0] * n_prompt + [1.0] * (len(ids) - n_prompt)
+
+
+def test_a_cached_base_is_reused_only_while_its_record_matches_the_builder(tmp_path):
+    """`cached_base`, which every base builder's ensure_* uses: a record with the builder's defining
+    settings is reused; one built with other values or before a setting existed is named and rebuilt."""
+    import json
+
+    from rollout.bases.tools_warmup import build_tools_base
+    from rollout.bases.warmup import INFO_FILE, builder_defaults, cached_base
+
+    settings = builder_defaults(build_tools_base, "tool_share", "copy_weight", "mix_steps")
+    assert settings == {"tool_share": 0.3, "copy_weight": 8.0, "mix_steps": 60}
+    said: list[str] = []
+    assert not cached_base(tmp_path, settings, said.append) and not said  # nothing cached: no message
+    (tmp_path / INFO_FILE).write_text(json.dumps({**settings, "steps": 200}))
+    assert cached_base(tmp_path, settings, said.append) and not said
+    (tmp_path / INFO_FILE).write_text(json.dumps({"tool_share": 0.3, "steps": 900}))  # an older builder's
+    assert not cached_base(tmp_path, settings, said.append)
+    assert "copy_weight" in said[0] and "rebuilding" in said[0]
