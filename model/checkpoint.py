@@ -544,17 +544,20 @@ def base_fingerprint(
 DIRECTORY_FINGERPRINT_PREFIX = "dir1:"
 
 
-def directory_fingerprint(path: str | os.PathLike, dtype: torch.dtype) -> str:
+def directory_fingerprint(path: str | os.PathLike, dtype: torch.dtype, verify: bool = True) -> str:
     """A base directory's identity as a learner loads it, without loading it: sha256 over config.json,
     each tensor file's name and sha256, and the dtype the model is held in. With a checksums.json the
     files are verified against it first (streamed, constant memory) and its digests are used; without
     one (an upstream release) every file is hashed. Equal values: byte-identical files loaded by the
     same rule. Used where an engine serves the directory itself (vLLM) and so holds no model of ours
-    to `base_fingerprint`: no host copy of a 248 GB base just to compare it with the learner's."""
+    to `base_fingerprint`: no host copy of a 248 GB base just to compare it with the learner's.
+    `verify=False`: the manifest's digests without re-reading the files (a caller that has just
+    loaded the directory with verification)."""
     path = Path(path)
     files = sorted({f.name for f in _shard_files(path).values()})
-    verified = verify_shards(path)  # CheckpointError naming a bad shard
-    manifest = read_manifest(path) if verified else None
+    if verify:
+        verify_shards(path)  # CheckpointError naming a bad shard
+    manifest = read_manifest(path)
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
     h.update(str(dtype).encode())

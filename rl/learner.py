@@ -101,8 +101,9 @@ class Learner:
 
     def directory_fingerprint(self) -> str:
         """The loaded base directory's file-level identity, which a vLLM engine serving that directory
-        reports (model.checkpoint.directory_fingerprint)."""
-        return directory_fingerprint(self.base_dir, _DTYPES[self.cfg.model.dtype])
+        reports (model.checkpoint.directory_fingerprint). Not re-verified: `load_model` checked the
+        same files against their manifest when this learner loaded them."""
+        return directory_fingerprint(self.base_dir, _DTYPES[self.cfg.model.dtype], verify=False)
 
     # ------------------------------------------------------------------ data-parallel group
     def rendezvous_address(self) -> tuple[str, int]:

@@ -225,3 +225,5 @@ def test_directory_fingerprint_names_files_and_dtype_and_needs_no_manifest(tmp_p
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=shard.name):
         directory_fingerprint(tmp_path / "a", torch.float32)
+    # verify=False (a learner that has just loaded the verified files): the manifest, no second read
+    assert directory_fingerprint(tmp_path / "a", torch.float32, verify=False) == fp
