@@ -162,9 +162,10 @@ def build_tools_base(
     train = arithmetic_dataset(num_train, seed=0, ops=["*"], digits=DIGITS, split="train")
     evals = arithmetic_dataset(num_eval, seed=0, ops=["*"], digits=DIGITS, split="eval")
     gen = torch.Generator().manual_seed(seed)
-    is_python = (torch.rand(len(train), generator=gen) < python_share).tolist() if python_codes else []
-    codes = [python_codes[i % len(python_codes)] if python_codes and py else None
-             for i, py in enumerate(is_python or [False] * len(train))]  # fmt: skip
+    codes: list[str | None] = [None] * len(train)
+    if python_codes:
+        is_python = (torch.rand(len(train), generator=gen) < python_share).tolist()
+        codes = [python_codes[i % len(python_codes)] if py else None for i, py in enumerate(is_python)]
     calls = [tool_example(tok, p, c, copy_weight) for p, c in zip(train, codes, strict=True)]
     is_tool = (torch.rand(len(train), generator=gen) < tool_share).tolist()
     mixed = [c if t else direct_example(tok, p) for p, c, t in zip(train, calls, is_tool, strict=True)]
@@ -209,16 +210,23 @@ def ensure_tools_base(path: str | Path, device: str = "cpu", threads: int | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rollout.bases.tools_warmup",
                                 description="Build the quickstart_tools base.")  # fmt: skip
+    names = ("tool_share", "copy_weight", "target_acc", "max_steps", "mix_steps", "eval_every", "batch_size",
+             "lr", "seed")  # fmt: skip
+    d = builder_defaults(build_tools_base, *names)
     p.add_argument("--out", default="runs/_cache/quickstart-tools-base")
-    p.add_argument("--tool-share", type=float, default=0.3, help="share of calls in the mixed phase")
-    p.add_argument("--copy-weight", type=float, default=8.0)
-    p.add_argument("--target-acc", type=float, default=0.6, help="ends the calls phase (<0: never)")
-    p.add_argument("--max-steps", type=int, default=600, help="cap on the calls phase")
-    p.add_argument("--mix-steps", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tool-share", type=float, default=d["tool_share"], help="share of calls in the mixed phase"
+    )
+    p.add_argument("--copy-weight", type=float, default=d["copy_weight"])
+    p.add_argument(
+        "--target-acc", type=float, default=d["target_acc"], help="ends the calls phase (<0: never)"
+    )
+    p.add_argument("--max-steps", type=int, default=d["max_steps"], help="cap on the calls phase")
+    p.add_argument("--mix-steps", type=int, default=d["mix_steps"])
+    p.add_argument("--eval-every", type=int, default=d["eval_every"])
+    p.add_argument("--batch-size", type=int, default=d["batch_size"])
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (the result depends on it)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
