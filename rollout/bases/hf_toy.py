@@ -13,7 +13,6 @@ will train, model/hf_nvfp4.py) so GRPO sees reward variance. `ensure_hf_toy_base
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 from common.data import arithmetic_dataset
 from common.scoring import score_math_dapo
 from common.tokenizer import ByteTokenizer
-from rollout.bases.warmup import INFO_FILE, answer_example, cached_base, sft_batch, sft_update
+from rollout.bases.warmup import answer_example, cached_base, publish_base, sft_batch, sft_update
 
 TARGET_ACC = 0.25  # at 0.15 (600 steps) GRPO barely moved in 40 steps (0.156 -> 0.172); at 0.25 it rises
 
@@ -112,9 +111,7 @@ def build_hf_toy_base(
     shutil.rmtree(staging, ignore_errors=True)
     model.eval().save_pretrained(staging)
     info = {"steps": step, "nvfp4_acc": acc, "seconds": time.perf_counter() - t0, "target_acc": target_acc}
-    (staging / INFO_FILE).write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    publish_base(staging, out, info)  # records, then the rename: the cache appears whole or not at all
     log(f"hf warm-up done in {info['seconds']:.0f}s: held-out greedy acc {acc:.3f} (NVFP4 linears)")
     return info
 
