@@ -153,7 +153,8 @@ def sparse_attention(
     """Attention of T varlen tokens over their sequences' paged K/V -> [T, H, C].
 
     q_THC: normed + roped queries; kv_cache: the layer's K/V pages (already holding these
-    tokens' keys); selected_TNK: the indexer's blocks per KV group (None = all blocks, dense).
+    tokens' keys); selected_TNK: the indexer's blocks per KV group, left-packed and -1 padded, never
+    past the query's block (None = all blocks, dense; the Triton kernel stops at slot pos // page + 1).
     """
     if q_THC.ndim != 3 or not q_THC.is_floating_point():
         raise ValueError(f"q_THC must be a float [T, H, C] tensor, got {tuple(q_THC.shape)} {q_THC.dtype}")

@@ -104,8 +104,8 @@ def _sparse_attn_kernel(
     slot0 = pid_s * BPS
     if DENSE:
         n_iter = tl.minimum(BPS, pos // PAGE + 1 - slot0)
-    else:
-        n_iter = tl.minimum(BPS, n_slots - slot0)
+    else:  # selections are left-packed and causal: slots from pos // PAGE + 1 on hold only -1
+        n_iter = tl.minimum(BPS, tl.minimum(n_slots, pos // PAGE + 1) - slot0)
 
     offs_g = tl.arange(0, G_P2)
     offs_c = tl.arange(0, C)
