@@ -191,7 +191,7 @@ def _index_scores_v6_kernel(
     out_ptr, stride_ot, stride_on,
     BPS, tune_class,
     N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr,
-    HW: tl.constexpr,
+    HW: tl.constexpr, SCALE_ROWS: tl.constexpr = True,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -232,8 +232,12 @@ def _index_scores_v6_kernel(
             even_sj = _e2m1_half_f16(codes_sj, False, HW)
             odd_sj = _e2m1_half_f16(codes_sj, True, HW)
             part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
-            bscale_sw = tl.load(rows + HALF + col_b[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            s_sn = tl.sum(tl.reshape(part_sw * bscale_sw, (SUB, NP, NB)), axis=2)
+            if SCALE_ROWS:
+                bscale_sb = tl.load(rows + HALF + tl.arange(0, NB)[None, :]).to(tl.float8e4nv, bitcast=True)
+                s_sn = tl.sum(tl.reshape(part_sw, (SUB, NP, NB)) * bscale_sb.to(tl.float32)[:, None, :], axis=2)
+            else:
+                bscale_sw = tl.load(rows + HALF + col_b[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                s_sn = tl.sum(tl.reshape(part_sw * bscale_sw, (SUB, NP, NB)), axis=2)
             is_vis = blk * PAGE + u * SUB + offs_s <= pos
             best_n = tl.maximum(best_n, tl.max(tl.where(is_vis[:, None], s_sn, float("-inf")), axis=0))
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
@@ -297,6 +301,9 @@ def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, 
     return -(-n_blocks // bps), bps
 
 
+_V6_SCALE_ROWS = True  # EXPERIMENT (session 9 sweep): block scales loaded [SUB, NB] vs gathered [SUB, W]
+
+
 def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP) -> None:
     """v6 scores launch: autotuned over V6_CONFIGS on a GPU at decode size, else one sub-tile of
     min(page, 64) keys with 4 warps."""
@@ -309,7 +316,8 @@ def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
         scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
     )  # fmt: skip
-    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts())
+    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts(),
+                  SCALE_ROWS=_V6_SCALE_ROWS)  # fmt: skip
     if use_hw_casts() and T * splits >= 256 and page >= 128:
         _index_scores_v6_tuned[(T, splits)](*args, **consts)
     else:
