@@ -59,12 +59,12 @@ from model.layers.moe import ExpertBank
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
-    "indexer": ("v2", "v3", "v6"),
+    "indexer": ("v2", "v6"),
     "attention": ("v2", "v5"),
     "gemv": ("v2", "v3"),
     "moe": ("v2", "v6"),
 }
-OP_DEFAULTS = {"indexer": ("v3", "v6"), "attention": ("v5",), "gemv": ("v3",), "moe": ("v2", "v6")}
+OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v5",), "gemv": ("v3",), "moe": ("v2", "v6")}
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 

@@ -10,7 +10,7 @@ script: decode_kernels.py times hundreds of launches (autotune, graphs, baseline
 replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GEMV 6144 x 6144).
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv] [--batch 64] [--context 131072]
-       [--variants v3 v6]   (each op profiles the named versions it has, else its default: indexer v3,
+       [--variants v2 v6]   (each op profiles the named versions it has, else its default: indexer v6,
        attention v5)
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
         scale = torch.tensor(0.01, device=device)
         for dtype in ("nvfp4", "fp8"):
             pages = random_pages((n_pages, cfg.index_block_size), dtype, C, device)
-            for v in versions("indexer", "v3"):
+            for v in versions("indexer", "v6"):
                 fn = lambda p=pages, d=dtype, v=v: index_select_blocks_triton(
                     q_i, p, d, scale, table, seq, pos, **kw, variant=v
                 )

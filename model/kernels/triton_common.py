@@ -3,9 +3,8 @@
 Why a module of its own: the KV append, indexer, sparse-attention and MoE kernels all decode E2M1
 nibbles and round fp32 to E4M3 / bf16, and each must do it as `model.nvfp4` does, bit for bit. E2M1
 decodes without tables by the bit trick of docs/FACTS.md, "Kernel facts" (callers fold 2^6 into the
-block scale); `load_nvfp4_tile_f16` (the indexer's v3) and `load_nvfp4_tile_f16_v5` (the attention's
-v5: a flat row * 8 + block index so a warp's word loads cover whole rows) decode 16-value blocks in
-inline PTX.
+block scale); `load_nvfp4_tile_f16_v5` (the attention's v5: a flat row * 8 + block index so a
+warp's word loads cover whole rows) decodes 16-value blocks in inline PTX.
 
 Invariants: every rounding cast is round-to-nearest-even in both implementations chosen by the
 constexpr `HW` (the hardware `cvt.rn.satfinite` when compiled for a GPU; integer bit manipulation in
@@ -336,37 +335,6 @@ def _join_tree16(o):
 
 
 @triton.jit
-def load_nvfp4_tile_f16(base_ptr, row_off, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):
-    """v3 of `load_nvfp4_tile`: NVFP4 rows at base_ptr + row_off (bytes, [ROWS]) -> fp16 [ROWS, C] of
-    e2m1 * block_scale, global scale left to the caller. Every row is read, unmasked (the caller drops
-    rows past its keys afterwards, saving the predicates). C must be 128 (72-byte rows); base_ptr and
-    every row_off must be multiples of 8 bytes: a row's 8 scale bytes are one int64 load.
-
-    Layout notes (compile report): 72-byte row strides are not multiples of 16, so Triton gets no
-    alignment for them and split the word loads into bytes put back together by PRMT (7.6 instead of
-    4.3 SASS per value) until told (multiple_of) that the row offsets are multiples of 8. The code
-    words are the only 2-D load, so their coalesced layout becomes the layout of the decode and of the
-    tile, and the tile reaches shared memory (for the dot) in 16-byte stores; with the scale bytes
-    loaded as a [ROWS, 8] uint8 tile instead, that load's layout won and it took one 2-byte store per
-    value."""
-    NB: tl.constexpr = C // 16
-    offs_b = tl.arange(0, NB)
-    offs_w = tl.arange(0, 2)
-    word_off = tl.multiple_of(row_off // 4, 2)  # int32 words; rows start 8-byte aligned
-    word_ptrs = (base_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + word_off[:, None, None]
-                 + offs_b[None, :, None] * 2 + offs_w[None, None, :])  # fmt: skip
-    s_ptrs = base_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (row_off + C // 2) // 8
-    words = tl.load(word_ptrs)
-    s_row = tl.load(s_ptrs)
-    w0, w1 = tl.split(words)  # [ROWS, NB] each: elements 0-7 and 8-15 of every block
-    s_bits = (s_row[:, None] >> (8 * offs_b[None, :])).to(tl.int32)  # the block's byte in bits 0-7
-    if not HW:
-        s_bits = s_bits & 0xFF  # the asm reads only byte 0
-    o = nvfp4_block_f16(w0, w1, s_bits, False, HW)
-    return tl.reshape(_join_tree16(o), (ROWS, C))
-
-
-@triton.jit
 def dot_f16(a, b, HW: tl.constexpr):
     """fp16 x fp16 -> fp32 tensor-core dot (products exact in fp32); fp32 in the interpreter, as
     `dot_bf16`."""
@@ -380,7 +348,7 @@ def dot_f16(a, b, HW: tl.constexpr):
 @triton.jit
 def load_nvfp4_tile_f16_v5(base_ptr, n_valid, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
                            MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """v5 of `load_nvfp4_tile_f16`: its values (bit for bit; ROUND: rounded to e4m3 as
+    """Word-wise NVFP4 decode (v3's values, bit for bit; ROUND: rounded to e4m3 as
     `nvfp4_tile_to_fp8` does), for ROWS packed rows at base_ptr + r * (C / 2 + C / 16) bytes
     (base_ptr a multiple of 8, C = 128: 72-byte rows). MASKED: rows r >= n_valid (a scalar; <= 0:
     none) read as zeros, else every row is read. The row stride is a constant so that a thread's rows

@@ -3,9 +3,10 @@
 Why: the indexer reads every cached index key at every decode step, so it is bound by HBM bytes
 (NVFP4 keys are 72 B/token against FP8's 128 B). Keys are read once per query row (all index heads
 together), dequantized in registers, and only per-block maxima leave the chip; the context is split
-over programs so that batch 1 still fills the GPU. NVFP4 keys of head dim 128 are decoded word-wise
-to fp16 (v3, the default); `variant="v6"` (opt-in, not yet timed) keeps them in registers on the
-MMA's M side; the byte-wise decode ("v2") serves every other head dim. History: benchmarks/RESULTS.md.
+over programs so that batch 1 still fills the GPU. NVFP4 keys of head dim 128 in packed rows are
+decoded in registers on the MMA's M side (v6, the default; v3's fp16 tiles through shared memory
+measured 1.87x slower); the byte-wise decode ("v2") serves every other shape and FP8 / bf16 keys a
+plain tile kernel. History: benchmarks/RESULTS.md.
 
 Invariants: semantics are `model.kernels.indexer`'s (docs/FACTS.md, "MSA and the lightning
 indexer"); scores equal the reference's up to fp32 summation order, selections equal it except at
@@ -20,10 +21,8 @@ import triton.language as tl
 
 from model.kernels.triton_common import (
     dot_bf16,
-    dot_f16,
     f32_to_bf16,
     load_nvfp4_tile,
-    load_nvfp4_tile_f16,
     num_sms,
     opaque_to_compile,
     safe_do_bench,
@@ -33,10 +32,13 @@ from model.kernels.triton_common import (
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v6", "v3", "v2"]
-"""v6: NVFP4 keys on the MMA's M side, decoded in registers (opt-in); v3: NVFP4 keys decoded
-word-wise to fp16 (`load_nvfp4_tile_f16`, the default); v2: the byte-wise decode."""
-V3_HEAD_DIM = 128  # the word-wise decode reads 72-byte rows (8-byte aligned) of 128 values
+# v6 holds 121 registers a thread (4 programs of 4 warps an SM): 16 programs per SM, >= 2 blocks each,
+# measured 336.7 vs 398.0 us at B = 64, 128K and level at B = 1 (benchmarks/RESULTS.md, session 9).
+V6_PROGRAMS_PER_SM = 16
+DecodeVariant = Literal["v6", "v2"]
+"""v6: NVFP4 keys on the MMA's M side, decoded in registers (the default); v2: the byte-wise decode
+(every shape; tests and benchmarks compare with it)."""
+V6_HEAD_DIM = 128  # v6 reads packed 72-byte rows (8-byte aligned) of 128 values
 
 
 @triton.jit
@@ -65,13 +67,6 @@ def _pow2_prescale(q_nc):
     return mul_n, inv_n
 
 
-@triton.jit
-def _q_to_f16(q_nc):
-    """fp32 query rows -> (fp16 rows scaled by `_pow2_prescale`, the inverse factor per row)."""
-    mul_n, inv_n = _pow2_prescale(q_nc)
-    return (q_nc * mul_n[:, None]).to(tl.float16), inv_n
-
-
 # Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
 # blocks), K top-k blocks, BPS blocks per split.
 #
@@ -84,8 +79,7 @@ def _q_to_f16(q_nc):
 #
 # Numerics: NVFP4 keys become e2m1 * block_scale (exact in bf16 and fp16) and the global scale
 # multiplies the score after the block max (it is positive); FP8 keys their e4m3 value times the
-# scale; bf16 keys as stored. bf16 queries use a bf16 dot (v3 NVFP4: fp16, queries scaled per row by
-# a power of two, exact above 2^-31 of the row's amax) with fp32 accumulation; fp32 / fp16 queries
+# scale; bf16 keys as stored. bf16 queries use a bf16 dot with fp32 accumulation; fp32 / fp16 queries
 # or an fp32 cache use an IEEE fp32 dot.
 @triton.jit
 def _index_scores_kernel(
@@ -95,7 +89,7 @@ def _index_scores_kernel(
     out_ptr, stride_ot, stride_on,
     BPS, tune_class,
     N: tl.constexpr, N_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
-    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr, V3: tl.constexpr,
+    FMT: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -109,16 +103,12 @@ def _index_scores_kernel(
     is_head = offs_n < N
     q_nc = tl.load(q_ptr + pid_t * stride_qt + offs_n[:, None] * stride_qn + offs_c[None, :],
                    mask=is_head[:, None], other=0.0)  # fmt: skip
-    IS_F16: tl.constexpr = V3 and FMT == 2 and not DOT_F32  # v3: fp16 keys from the word decode
     g = 1.0
     if FMT != 0:
         g = tl.load(scale_ptr).to(tl.float32)
     g_n = tl.full((N_P2,), 1.0, tl.float32) * g
     if DOT_F32:
         q_nc = q_nc.to(tl.float32)
-    elif IS_F16:
-        q_nc, inv_n = _q_to_f16(q_nc.to(tl.float32))
-        g_n = g_n * inv_n
     else:
         q_nc = q_nc.to(tl.bfloat16)
     for i in range(0, n_iter):
@@ -126,16 +116,11 @@ def _index_scores_kernel(
         page = tl.load(bt_ptr + seq * stride_bb + blk).to(tl.int64)
         tok_s = blk * PAGE + offs_s
         is_vis = tok_s <= pos
-        if IS_F16:
-            # Unmasked: a visible block's page is allocated, and keys past pos are dropped below.
-            keys_sc = load_nvfp4_tile_f16(pages_ptr + page * stride_pp, offs_s * stride_ps, C, PAGE, HW)
-            scores_ns = dot_f16(q_nc, tl.trans(keys_sc), HW)
+        keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
+        if DOT_F32:
+            scores_ns = tl.dot(q_nc, tl.trans(keys_sc), input_precision="ieee")
         else:
-            keys_sc = load_key_tile(pages_ptr + page * stride_pp + offs_s * stride_ps, is_vis, C, PAGE, FMT)
-            if DOT_F32:
-                scores_ns = tl.dot(q_nc, tl.trans(keys_sc), input_precision="ieee")
-            else:
-                scores_ns = dot_bf16(q_nc, tl.trans(f32_to_bf16(keys_sc, HW)), HW)
+            scores_ns = dot_bf16(q_nc, tl.trans(f32_to_bf16(keys_sc, HW)), HW)
         # The scale (> 0) is applied after the max: the same value, one multiply per head per block.
         best_n = tl.max(tl.where(is_vis[None, :], scores_ns, float("-inf")), axis=1) * g_n
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
@@ -174,14 +159,14 @@ def _e2m1_half_f16(b, HI: tl.constexpr, HW: tl.constexpr):
     return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
-# `_index_scores_v6_kernel` (NVFP4 keys, C = 128, bf16 queries), grid (T, SPLITS) as v3. Keys are on
-# the MMA's M side: a [SUB, C/2] tile of raw code bytes is the A operand, decoded in registers in the
+# `_index_scores_v6_kernel` (NVFP4 keys, C = 128, bf16 queries), grid (T, SPLITS) as the tile kernel. Keys
+# are on the MMA's M side: a [SUB, C/2] tile of raw code bytes is the A operand, decoded in registers in the
 # dot-operand layout (the byte loads are pipelined into shared memory; no decoded tile is ever stored
-# there, which is what bound v3: ncu L1/TEX 72-81% busy). Block scales are applied to accumulators,
+# there, which bound the deleted v3: ncu L1/TEX 72-81% busy). Block scales are applied to accumulators,
 # not tiles: the B operand is the query expanded per scale block, column w = n * NB + b holding head
 # n's values in block b and zeros elsewhere, so one dot per half gives every block's partial score
 # [SUB, NP * NB]; times its key's block scale and summed over b that is the key's score per head.
-# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`_q_to_f16`) are exact in fp16, each
+# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`_pow2_prescale`) are exact in fp16, each
 # product exact in the fp32 accumulator; the reference's scores up to fp32 summation order.
 @triton.jit
 def _index_scores_v6_kernel(
@@ -191,7 +176,7 @@ def _index_scores_v6_kernel(
     out_ptr, stride_ot, stride_on,
     BPS, tune_class,
     N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr,
-    HW: tl.constexpr, SCALE_ROWS: tl.constexpr = True,
+    HW: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     blk0 = tl.program_id(1) * BPS
@@ -204,6 +189,7 @@ def _index_scores_v6_kernel(
     W: tl.constexpr = NP * NB
     offs_j = tl.arange(0, HALF)  # byte j holds values 2j (low nibble) and 2j + 1, block j // 8
     offs_w = tl.arange(0, W)
+    offs_b = tl.arange(0, NB)
     offs_c = tl.arange(0, C)
     offs_s = tl.arange(0, SUB)
     offs_n = tl.arange(0, NP)
@@ -213,7 +199,7 @@ def _index_scores_v6_kernel(
     q_nc = tl.load(
         q_row + offs_n[:, None] * stride_qn + offs_c[None, :], mask=(offs_n < N)[:, None], other=0.0
     )
-    mul_n, inv_n = _pow2_prescale(q_nc.to(tl.float32))  # as v3's `_q_to_f16`
+    mul_n, inv_n = _pow2_prescale(q_nc.to(tl.float32))
     mul_w = tl.reshape(tl.broadcast_to(mul_n[:, None], (NP, NB)), (W,))  # column w = n * NB + b: head n's
     g_n = inv_n * (tl.load(scale_ptr).to(tl.float32) * 64.0)
     is_w = ((offs_j[:, None] // 8) == col_b[None, :]) & (col_n < N)[None, :]
@@ -232,12 +218,10 @@ def _index_scores_v6_kernel(
             even_sj = _e2m1_half_f16(codes_sj, False, HW)
             odd_sj = _e2m1_half_f16(codes_sj, True, HW)
             part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
-            if SCALE_ROWS:
-                bscale_sb = tl.load(rows + HALF + tl.arange(0, NB)[None, :]).to(tl.float8e4nv, bitcast=True)
-                s_sn = tl.sum(tl.reshape(part_sw, (SUB, NP, NB)) * bscale_sb.to(tl.float32)[:, None, :], axis=2)
-            else:
-                bscale_sw = tl.load(rows + HALF + col_b[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                s_sn = tl.sum(tl.reshape(part_sw * bscale_sw, (SUB, NP, NB)), axis=2)
+            # The row's NB scale bytes once, broadcast over the heads (a [SUB, W] gather cost 1.09x).
+            bscale_sb = tl.load(rows + HALF + offs_b[None, :]).to(tl.float8e4nv, bitcast=True)
+            part_snb = tl.reshape(part_sw, (SUB, NP, NB)) * bscale_sb.to(tl.float32)[:, None, :]
+            s_sn = tl.sum(part_snb, axis=2)
             is_vis = blk * PAGE + u * SUB + offs_s <= pos
             best_n = tl.maximum(best_n, tl.max(tl.where(is_vis[:, None], s_sn, float("-inf")), axis=0))
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
@@ -288,20 +272,19 @@ def _index_topk_kernel(
 # kernel ignores), not by BPS: a decode engine retunes when its work doubles, not at every new width.
 _index_scores_tuned = triton.autotune(
     [triton.Config({}, num_warps=w, num_stages=st) for w, st in [(4, 3), (4, 1), (8, 3)]],
-    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32", "V3"],
+    key=["tune_class", "N", "C", "PAGE", "FMT", "DOT_F32"],
     do_bench=safe_do_bench,
 )(_index_scores_kernel)
 
 
-def plan_splits(n_rows: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
-    """(splits, blocks per split): enough programs for PROGRAMS_PER_SM waves even at n_rows = 1."""
-    target = PROGRAMS_PER_SM * num_sms(device)
-    splits = max(1, min(n_blocks, -(-target // max(1, n_rows))))
+def plan_splits(n_rows: int, n_blocks: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
+                min_bps: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(splits, blocks per split): enough programs for `per_sm` waves even at n_rows = 1, each split
+    at least `min_bps` blocks."""
+    target = per_sm * num_sms(device)
+    splits = max(1, min(-(-n_blocks // min_bps), -(-target // max(1, n_rows))))
     bps = -(-n_blocks // splits)
     return -(-n_blocks // bps), bps
-
-
-_V6_SCALE_ROWS = True  # EXPERIMENT (session 9 sweep): block scales loaded [SUB, NB] vs gathered [SUB, W]
 
 
 def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP) -> None:
@@ -309,15 +292,14 @@ def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
     min(page, 64) keys with 4 warps."""
     T, N, C = index_q_TNC.shape
     P, page = block_tables_BP.shape[1], pages.shape[1]
-    splits, bps = plan_splits(T, P, index_q_TNC.device)
+    splits, bps = plan_splits(T, P, index_q_TNC.device, V6_PROGRAMS_PER_SM, min_bps=2)
     args = (
         index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
         pages, pages.stride(0),
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
         scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
     )  # fmt: skip
-    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts(),
-                  SCALE_ROWS=_V6_SCALE_ROWS)  # fmt: skip
+    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts())
     if use_hw_casts() and T * splits >= 256 and page >= 128:
         _index_scores_v6_tuned[(T, splits)](*args, **consts)
     else:
@@ -326,10 +308,10 @@ def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_
 
 def v6_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bool:
     """Whether `variant="v6"` runs the keys-on-M kernel: NVFP4 keys of head dim 128 in packed,
-    8-byte aligned rows and bf16 queries (other inputs take v3's code)."""
+    8-byte aligned rows and bf16 queries (other inputs take the tile kernel)."""
     C = index_q_TNC.shape[-1]
     return (
-        C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0 and pages.stride(1) == C // 2 + C // 16
+        C == V6_HEAD_DIM and pages.data_ptr() % 8 == 0 and pages.stride(1) == C // 2 + C // 16
         and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
     )  # fmt: skip
 
@@ -338,18 +320,17 @@ def v6_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bo
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
-    variant: DecodeVariant = "v3",
+    variant: DecodeVariant = "v6",
 ) -> torch.Tensor:  # fmt: skip
     """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
-    `variant`: "v3" decodes NVFP4 keys of head dim 128 word-wise to fp16; "v6" runs the keys-on-M
-    kernel for NVFP4 keys of head dim 128 in packed rows with bf16 queries (anything else as v3);
-    "v2" the byte-wise decode. Other head dims and formats take the same code in every variant."""
+    `variant`: "v6" runs the keys-on-M kernel for NVFP4 keys of head dim 128 in packed rows with bf16
+    queries (anything else: the tile kernel, autotuned at decode size); "v2" the tile kernel untuned
+    (NVFP4 keys byte-wise, as every NVFP4 shape that is not v6's)."""
     if variant not in DecodeVariant.__args__:
         raise ValueError(f"indexer: variant must be one of {DecodeVariant.__args__}, got {variant!r}")
     T, N, C = index_q_TNC.shape
     P = block_tables_BP.shape[1]
     page = pages.shape[1]
-    is_v3 = variant != "v2" and C == V3_HEAD_DIM and pages.data_ptr() % 8 == 0  # 8-byte scales
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
@@ -358,9 +339,9 @@ def index_block_scores_triton(
         return scores_TNP
     splits, bps = plan_splits(T, P, index_q_TNC.device)
     dot_f32 = index_q_TNC.dtype != torch.bfloat16 or dtype == "fp32"
-    # v3 launches big enough to matter pick warps / pipeline depth by timing on first use; v2 keeps
-    # its single default configuration (4 warps, 3 stages) so that `variant="v2"` times v2 as it was.
-    is_tuned = is_v3 and use_hw_casts() and T * splits >= 256
+    # Launches big enough to matter pick warps / pipeline depth by timing on first use; v2 keeps its
+    # single default configuration (4 warps, 3 stages) so that `variant="v2"` times v2 as it was.
+    is_tuned = variant != "v2" and use_hw_casts() and T * splits >= 256
     kernel = _index_scores_tuned if is_tuned else _index_scores_kernel
     kernel[(T, splits)](
         index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
@@ -368,7 +349,7 @@ def index_block_scores_triton(
         block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
         scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
         N=N, N_P2=max(16, triton.next_power_of_2(N)), C=C, PAGE=page,
-        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(), V3=is_v3,
+        FMT=_FMT[dtype], DOT_F32=dot_f32, HW=use_hw_casts(),
     )  # fmt: skip
     return scores_TNP
 
@@ -378,7 +359,7 @@ def index_select_blocks_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
     *, topk: int, local_blocks: int, init_blocks: int, out_TNK: torch.Tensor | None = None,
-    variant: DecodeVariant = "v3",
+    variant: DecodeVariant = "v6",
 ) -> torch.Tensor:  # fmt: skip
     """Selected blocks [T, N, topk] int64 (into `out_TNK` if given); no host syncs."""
     T, N, _ = index_q_TNC.shape
