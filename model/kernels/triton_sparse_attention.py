@@ -341,8 +341,10 @@ def _sparse_attn_v6_kernel(
 
 
 # (SUB, warps, stages) for 128-token pages: 64- and 128-key tiles (keys on M: wgmma from M = 64 per
-# warp group), 2-3 stages of the cp.async'd code bytes; see the compile report for shared memory.
-V6_CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3))
+# warp group). Stages (compile report, sm_90): 2-4 keep one K/V tile of code bytes in flight per
+# program, 5 double-buffers it (shared 15 -> 25 KB at SUB = 64, 27 -> 45 KB at 128); registers
+# (131-175) allow 1-3 programs per SM.
+V6_CONFIGS = ((64, 4, 2), (64, 4, 5), (128, 4, 2), (128, 4, 5), (128, 8, 2), (128, 8, 5))
 _sparse_attn_v6_tuned = triton.autotune(
     [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
     key=["tune_class", "PAGE"],
