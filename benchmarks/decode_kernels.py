@@ -7,7 +7,8 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v3 v6]   (MoE v6 vs v2: --only moe --variants v6)
+       [--variants v3 v6]   (MoE v6 vs v2: --only moe --variants v6; attention v5 vs v6 vs FP8:
+       --only attention --variants v5 v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -32,7 +33,11 @@ from model.kernels.triton_kv_append import nvfp4_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
 from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
-from model.kernels.triton_sparse_attention import _sparse_attn_tuned, sparse_attention_triton
+from model.kernels.triton_sparse_attention import (
+    _sparse_attn_tuned,
+    _sparse_attn_v6_tuned,
+    sparse_attention_triton,
+)
 from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
@@ -51,7 +56,8 @@ from model.layers.moe import ExpertBank
 # flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v3 (NVFP4 decoded
 # word-wise to fp16, the default), v6 (keys on the MMA's M side, the candidate), v2 (byte-wise);
 # later versions record whether their selections equal the baseline's. Attention: v5 (coalesced word
-# loads, the default), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4
+# loads, the default), v6 (K / V decoded in registers into the dot operands, the candidate; autotuned
+# over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4
 # and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio table
 # prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by the v2
 # tile kernel and by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) side by side,
@@ -60,7 +66,7 @@ from model.layers.moe import ExpertBank
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v6"),
-    "attention": ("v2", "v5"),
+    "attention": ("v2", "v5", "v6"),
     "gemv": ("v2", "v3"),
     "moe": ("v2", "v6"),
 }
@@ -237,9 +243,10 @@ def run_attention(
     cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["attention"]
 ) -> None:
     """Sparse attention decode per cache format and version (v5: NVFP4 pages decoded by coalesced word
-    loads to fp16 e4m3 values, fp16 dots; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the
-    same code in both), each with its own autotune pick. Ratios NVFP4 vs FP8 per version, and each
-    later version vs the first."""
+    loads to fp16 e4m3 values, fp16 dots; v6: NVFP4 code bytes decoded in registers into the dot
+    operands, `_sparse_attn_v6_tuned`; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the
+    same code in every version), each with its own autotune pick. Ratios NVFP4 vs FP8 per version,
+    and each later version vs the first."""
     H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     page, K = cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
@@ -281,7 +288,8 @@ def run_attention(
                 ],
                 reps=R,
             )
-            cfg_str = str(getattr(_sparse_attn_tuned, "best_config", None))
+            tuner = _sparse_attn_v6_tuned if variant == "v6" and dtype == "nvfp4" else _sparse_attn_tuned
+            cfg_str = str(getattr(tuner, "best_config", None))
             record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
                    rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
@@ -462,7 +470,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"],
                     help="versions to time side by side, each op taking those it has (indexer v2 v3 v6, "
-                         "attention v2 v5, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
+                         "attention v2 v5 v6, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
                          "ratio rows); default: indexer v3 v6, attention v5, gemv v3, moe v2 v6")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH

@@ -389,6 +389,16 @@ def attention_cases() -> list[Case]:
                             floats={"sm_scale_log2"}, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                             elems=2 * sub * 128 // (32 * cfg.num_warps), divisibility=div,
                             tile_bytes=2 * sub * (72, 128, 256)[2 - fmt]))  # fmt: skip
+    # v6: K and V as dot operands decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages); the
+    # packed 72-byte row stride is a constexpr of the kernel.
+    ptrs = dict(q_ptr="bf16", kv_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", sel_ptr="i64",
+                kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16", part_ptr="fp32",
+                ml_ptr="fp32")  # fmt: skip
+    consts = dict(G=16, G_P2=16, C=128, PAGE=128, DENSE=False, IS_SPLIT=True, HW=True)
+    for sub, w, st in sa.V6_CONFIGS:
+        out.append(Case(f"attention nvfp4 v6 SUB={sub}", sa._sparse_attn_v6_kernel, {**consts, "SUB": sub},
+                        ptrs, floats={"sm_scale_log2"}, num_warps=w, num_stages=st,
+                        elems=2 * sub * 128 // (32 * w), tile_bytes=2 * sub * 72))  # fmt: skip
     return out
 
 

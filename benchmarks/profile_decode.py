@@ -11,7 +11,7 @@ replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GE
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv] [--batch 64] [--context 131072]
        [--variants v2 v6]   (each op profiles the named versions it has, else its default: indexer v6,
-       attention v5)
+       attention v5; attention v5 vs v6: --only attention --variants v5 v6)
 """
 
 import argparse

@@ -391,3 +391,75 @@ def load_nvfp4_tile_f16_v5(base_ptr, n_valid, C: tl.constexpr, ROWS: tl.constexp
     w1 = (words_f >> 32).to(tl.int32)  # elements 8-15
     o = nvfp4_block_f16(w0, w1, s_bits, ROUND, HW)
     return tl.reshape(_join_tree16(o), (ROWS, C))
+
+
+# ------------------------------------------------------------ v6: scaled E2M1 halves in registers
+# The attention's v6 decode (its K and V tiles are dot operands decoded in registers). Four code bytes
+# per 32-bit register -> e4m3 bytes worth e2m1 * 2^-6 of their low (even) or high (odd) nibbles (the
+# identity of docs/FACTS.md, "Kernel facts", the masks of v3's block decode) -> two e4m3x2 -> f16x2
+# converts. Unary on purpose: Triton moves a dot operand's layout conversion up through elementwise
+# ops only (unary inline asm, arith, fp_to_fp, bitcast) to their loads, and a second asm input ended
+# that chain (compile report: every decoded tile was then staged in shared memory).
+_E2M1_LO_F16X4 = tl.constexpr(
+    "{ .reg .b32 t, u; .reg .b16 lo, hi;\n"
+    " shl.b32 t, $2, 4; and.b32 t, t, 0x80808080; shl.b32 u, $2, 2; and.b32 u, u, 0x1C1C1C1C;\n"
+    " or.b32 t, t, u; mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+_E2M1_HI_F16X4 = tl.constexpr(
+    "{ .reg .b32 t, u; .reg .b16 lo, hi;\n"
+    " and.b32 t, $2, 0x80808080; shr.b32 u, $2, 2; and.b32 u, u, 0x1C1C1C1C;\n"
+    " or.b32 t, t, u; mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+
+
+@triton.jit
+def e2m1_half_f16(codes, HI: tl.constexpr, HW: tl.constexpr):
+    """uint8 code bytes -> fp16 e2m1 * 2^-6 of their low (HI False: even values) or high nibbles,
+    elementwise and exact."""
+    if HW and HI:
+        out = tl.inline_asm_elementwise(_E2M1_HI_F16X4, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True,
+                                        pack=4)  # fmt: skip
+    elif HW:
+        out = tl.inline_asm_elementwise(_E2M1_LO_F16X4, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True,
+                                        pack=4)  # fmt: skip
+    else:
+        if HI:
+            bits = (codes & 0x80) | ((codes >> 2) & 0x1C)
+        else:
+            bits = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
+        out = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return out
+
+
+@triton.jit
+def e2m1_half_scaled_f16(codes_rj, scales_rb, HI: tl.constexpr, HW: tl.constexpr):
+    """Code bytes [R, J] (uint8) and their rows' block scale bytes [R, J / 8] (uint8 e4m3; byte j of a
+    row is in block j // 8) -> fp16 [R, J] e2m1 * 2^-6 * block scale of the low (HI False: even
+    values) or high nibbles (multiply by 64 and the global scale afterwards).
+
+    Exact: e2m1 * 2^-6 is a multiple of 2^-7 with <= 2 significant bits, an e4m3 scale a multiple of
+    2^-9 with <= 4, so the product has <= 6 significant bits, is a multiple of 2^-16 (fp16's subnormal
+    step is 2^-24; PTX f16 arithmetic keeps subnormals) and is at most 6 * 2^-6 * 448 = 42.
+    Why the scales come in as [R, J / 8] and are broadcast here: loaded as an [R, J] gather (address
+    j // 8, no 4-byte runs) they cannot be cp.async'd, stay a register load in a blocked layout, and
+    Triton then put the whole decode in that layout and staged the decoded fp16 tile in shared
+    memory for the dot; as [R, J / 8] rows (8 contiguous bytes) they are cp.async'd and read back in
+    the layout whose broadcast + reshape is the dot operand's (compile report: no staged tile)."""
+    R: tl.constexpr = codes_rj.shape[0]
+    J: tl.constexpr = codes_rj.shape[1]
+    s_rb = scales_rb.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # before the broadcast: fewer cvts
+    s_rj = tl.reshape(tl.broadcast_to(s_rb[:, :, None], (R, J // 8, 8)), (R, J))
+    return e2m1_half_f16(codes_rj, HI, HW) * s_rj
+
+
+@triton.jit
+def pow2_row_scale(x_rc):
+    """Per fp32 row of x: (2^k putting the row's amax in [2^14, 2^15), 2^-k), k from the amax's
+    exponent alone (rows with amax below 2^-112 take the factor of 2^-112). Scaled by it, a bf16 row
+    is exact in fp16 down to amax * 2^-31 (fp16's subnormal step 2^-24 over bf16's 8 significant
+    bits) and nothing overflows 65504; the inverse is a normal fp32."""
+    amax_r = tl.max(tl.abs(x_rc), axis=1)
+    exp_r = tl.maximum((amax_r.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent
+    mul_r = ((127 + 14 + 127 - exp_r) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (exp_r - 127))
+    inv_r = ((exp_r - 14) << 23).to(tl.float32, bitcast=True)
+    return mul_r, inv_r

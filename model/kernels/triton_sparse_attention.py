@@ -6,12 +6,14 @@ of a KV group (each K/V page read once for the group), dequantizes pages in regi
 online softmax in the exp2 domain; splits of the block list are merged by log-sum-exp. On the FP8
 path q, P and the pages meet in FP8-valued dots. NVFP4 pages of head dim 128 in packed 72-byte rows
 (what `PagedKV` stores) are decoded by coalesced word loads to fp16 tiles of e4m3 values (v5, the
-only path for them); other NVFP4 shapes, or `variant="v2"`, take the byte-wise decode to e4m3.
-History: benchmarks/RESULTS.md.
+default), or, opt-in until timed, kept as code bytes decoded in registers into the dot operands
+(v6: keys on the MMA's M side for Q.K, no decoded tile staged in shared memory); other NVFP4
+shapes, or `variant="v2"`, take the byte-wise decode to e4m3. History: benchmarks/RESULTS.md.
 
 Invariants: semantics are `model.kernels.sparse_attention`'s; the FP8 path (v5 and v2 alike) equals
 `sparse_attention_ref` on FP8-emulated inputs (`fp8_emulated`) up to P's e4m3 rounding and fp32
-order, the bf16 path up to bf16 rounding of q and P; a row with no visible key gets zeros.
+order, v6 equals it on the real inputs up to the same P rounding and fp32 order, the bf16 path up to
+bf16 rounding of q and P; a row with no visible key gets zeros.
 """
 
 from typing import Literal
@@ -24,6 +26,7 @@ from model import nvfp4
 from model.kernels.triton_common import (
     dot_bf16,
     dot_f16,
+    e2m1_half_scaled_f16,
     f32_to_bf16,
     f32_to_e4m3,
     load_nvfp4_tile_direct,
@@ -31,6 +34,7 @@ from model.kernels.triton_common import (
     num_sms,
     nvfp4_tile_to_fp8,
     opaque_to_compile,
+    pow2_row_scale,
     safe_do_bench,
     tune_class,
     use_hw_casts,
@@ -40,9 +44,10 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v5", "v2"]
-"""v5: NVFP4 pages of head dim 128 in packed rows decoded by coalesced word loads to fp16
-(`load_nvfp4_tile_f16_v5`, the default); v2: the byte-wise decode to e4m3, for every shape."""
+DecodeVariant = Literal["v6", "v5", "v2"]
+"""v6: NVFP4 pages of head dim 128 in packed rows as dot operands decoded in registers (opt-in, not
+yet timed); v5: the same pages decoded by coalesced word loads to fp16 tiles (`load_nvfp4_tile_f16_v5`,
+the default); v2: the byte-wise decode to e4m3, for every shape."""
 V5_HEAD_DIM = 128  # the word-wise decode reads packed 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
@@ -208,6 +213,145 @@ _sparse_attn_tuned = triton.autotune(
 )(_sparse_attn_kernel)
 
 
+# `_sparse_attn_v6_kernel` (NVFP4 pages, C = 128, packed 72-byte rows), grid, walk, online softmax and
+# split partials as `_sparse_attn_kernel`; K and V reach the tensor cores as dot operands decoded in
+# registers from their code bytes (`e2m1_half_scaled_f16`), never as decoded tiles staged in shared
+# memory (v5's bound: L1/TEX 79% busy on those stores and LDSM reads, DRAM 16%; RESULTS.md, session 5).
+# Byte j of a row holds values 2j (low nibble) and 2j + 1 (high), block j // 8, so each side is two
+# [SUB, C/2] halves, even and odd, and no register interleave is ever needed.
+# - S^T = K Q^T, keys on the MMA's M side: the decoded K halves are the A operand (registers, as the
+#   indexer's v6), the query's even / odd columns the B operand [C/2, G_P2] (fp16, loaded once).
+#   The block scales are folded into the decoded A in registers (one mul.f16x2 per two values),
+#   not expanded into the query per scale block as the indexer does: that would make the B operand
+#   G_P2 x C/16 = 128 columns wide (8x the MMA work) for G = 16.
+# - O += P V: V's decoded halves are the B operand [SUB, C/2] of two dots into even / odd
+#   accumulators [G_P2, C/2] (M = G_P2 = 16: mma.sync, whose B operand may live in registers); V's
+#   scales vary along both dims of that operand (per key row, per 16 dims), so they too are folded
+#   into the decoded values. The output stores columns 2j and 2j + 1 from the two accumulators.
+# Where Triton still goes through shared memory (TTGIR / SASS, sm_90, Triton 3.9; compile report):
+# - every code and scale byte: cp.async'd there (pipelined), then read straight into the dot-operand
+#   layout. K's rows are its contiguous axis (LDS.U16 pairs); V's contraction axis (keys) is the
+#   strided one, so its B operand is read one byte per LDS.U8 (4 consecutive keys per register):
+#   the transpose P V needs, paid on raw bytes (1 B per 2 values) instead of v5's decoded fp16 tiles.
+# - P: it leaves the first dot as P^T [SUB, G_P2] in the wgmma accumulator layout and must become
+#   the A operand [G_P2, SUB] of the second: a local_alloc of SUB x 16 fp16 (4 KB at SUB = 128) per
+#   step, the one staged floating-point tile (v5 stages two decoded [SUB, C] tiles plus P).
+# - the per-head statistics (alpha: [G_P2] from the wgmma to the mma.sync layout), a few bytes.
+# Numerics: the decoded K and V equal `nvfp4.kv_dequantize`'s e2m1 * block scale exactly (fp16, see
+# `e2m1_half_scaled_f16`; no e4m3 rounding or 448 saturation as in v5), the query is the bf16 row
+# exactly (fp16 after a power-of-two prescale per head, `pow2_row_scale`; fp32 queries round to
+# fp16), every product exact in the fp32 accumulators. P is rounded to e4m3 and back to fp16 as v5
+# does (the row sum l from fp32 P). So v6 equals `sparse_attention_ref` up to P's e4m3 rounding,
+# fp32 order and the output's rounding to q's dtype.
+@triton.jit
+def _sparse_attn_v6_kernel(
+    q_ptr, stride_qt, stride_qh,
+    kv_ptr, stride_kp, stride_kh,
+    bt_ptr, stride_bb, seq_ptr, pos_ptr,
+    sel_ptr, stride_st, stride_sn,
+    kscale_ptr, vscale_ptr, sm_scale_log2,
+    out_ptr, stride_ot, stride_oh,
+    part_ptr, ml_ptr,
+    n_slots, BPS, SPLITS, tune_class,
+    G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
+    DENSE: tl.constexpr, IS_SPLIT: tl.constexpr, HW: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
+    slot0 = pid_s * BPS
+    if DENSE:
+        n_iter = tl.minimum(BPS, pos // PAGE + 1 - slot0)
+    else:
+        n_iter = tl.minimum(BPS, n_slots - slot0)
+    HALF: tl.constexpr = C // 2  # code bytes per row; the C / 16 scale bytes follow
+    ROW: tl.constexpr = HALF + C // 16  # packed row bytes: a constant stride (8-byte aligned rows)
+    NSUB: tl.constexpr = PAGE // SUB
+    offs_g = tl.arange(0, G_P2)
+    offs_j = tl.arange(0, HALF)
+    offs_b = tl.arange(0, C // 16)
+    offs_s = tl.arange(0, SUB)
+    is_head = offs_g < G
+
+    q_head = q_ptr + pid_t * stride_qt + (pid_n * G + offs_g) * stride_qh
+    q_gc = tl.load(q_head[:, None] + tl.arange(0, C)[None, :], mask=is_head[:, None], other=0.0)
+    mul_g, inv_g = pow2_row_scale(q_gc.to(tl.float32))
+    q_even = q_head[None, :] + 2 * offs_j[:, None]  # [C/2, G_P2]: column g holds head g's values 2j
+    qe_jg = (tl.load(q_even, mask=is_head[None, :], other=0.0).to(tl.float32) * mul_g[None, :]).to(tl.float16)
+    qo_jg = (tl.load(q_even + 1, mask=is_head[None, :], other=0.0).to(tl.float32) * mul_g[None, :]).to(
+        tl.float16
+    )
+    # Scores in the exp2 domain: undo the query prescale, the decode's 2^-6, apply k_scale.
+    factor_g = inv_g * (tl.load(kscale_ptr).to(tl.float32) * (64.0 * sm_scale_log2))
+    v_scale = tl.load(vscale_ptr).to(tl.float32)
+
+    m_g = tl.full((G_P2,), NEG_BIG, tl.float32)
+    l_g = tl.zeros((G_P2,), tl.float32)
+    acc_e = tl.zeros((G_P2, HALF), tl.float32)  # output columns 2j
+    acc_o = tl.zeros((G_P2, HALF), tl.float32)  # output columns 2j + 1
+    k_base = kv_ptr + (2 * pid_n) * stride_kh
+    for i in range(0, n_iter * NSUB):
+        slot = i // NSUB
+        sub0 = (i % NSUB) * SUB
+        if DENSE:
+            blk = (slot0 + slot).to(tl.int64)
+        else:
+            blk = tl.load(sel_ptr + pid_t * stride_st + pid_n * stride_sn + slot0 + slot).to(tl.int64)
+        page = tl.load(bt_ptr + seq * stride_bb + tl.maximum(blk, 0)).to(tl.int64)
+        tok_s = blk * PAGE + sub0 + offs_s
+        is_key = (tok_s <= pos) & (tok_s >= 0)  # -1 slots give negative positions: no keys
+        k_rows = k_base + page * stride_kp + (sub0 + offs_s) * ROW
+        # K unmasked: a selected block's page is allocated, and a garbage row (even a NaN scale) only
+        # reaches its own row of S^T, which the where below drops.
+        codes_sj = tl.load(k_rows[:, None] + offs_j[None, :])
+        scale_sb = tl.load(k_rows[:, None] + HALF + offs_b[None, :])
+        s_sg = tl.dot(e2m1_half_scaled_f16(codes_sj, scale_sb, False, HW), qe_jg)
+        s_sg = tl.dot(e2m1_half_scaled_f16(codes_sj, scale_sb, True, HW), qo_jg, s_sg)
+        s_sg = tl.where(is_key[:, None], s_sg * factor_g[None, :], float("-inf"))
+        m_new = tl.maximum(m_g, tl.max(s_sg, axis=0))
+        alpha = tl.math.exp2(m_g - m_new)
+        p_sg = tl.math.exp2(s_sg - m_new[None, :])
+        l_g = l_g * alpha + tl.sum(p_sg, axis=0)
+        p_gs = tl.trans(f32_to_e4m3(p_sg, HW).to(tl.float16))  # v5's rounding of P (exact to fp16)
+        # V's scales masked: P is 0 on rows that are not keys, but a garbage scale byte there could
+        # decode to NaN (0 x NaN = NaN); a zero scale gives zeros whatever the codes.
+        v_rows = k_rows + stride_kh
+        vcodes_sj = tl.load(v_rows[:, None] + offs_j[None, :])
+        vscale_sb = tl.load(v_rows[:, None] + HALF + offs_b[None, :], mask=is_key[:, None], other=0)
+        acc_e = tl.dot(p_gs, e2m1_half_scaled_f16(vcodes_sj, vscale_sb, False, HW), acc_e * alpha[:, None])
+        acc_o = tl.dot(p_gs, e2m1_half_scaled_f16(vcodes_sj, vscale_sb, True, HW), acc_o * alpha[:, None])
+        m_g = m_new
+
+    acc_e = acc_e * 64.0  # the decode's 2^-6
+    acc_o = acc_o * 64.0
+    if IS_SPLIT:
+        row = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + pid_s
+        part_gj = part_ptr + (row * G_P2 + offs_g[:, None]) * C + 2 * offs_j[None, :]
+        tl.store(part_gj, acc_e)
+        tl.store(part_gj + 1, acc_o)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g)
+    else:
+        inv_l = tl.where(l_g > 0, v_scale / tl.maximum(l_g, 1e-30), 0.0)
+        o_gj = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + 2 * offs_j[None, :]
+        tl.store(o_gj, (acc_e * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+        tl.store(o_gj + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+
+
+# (SUB, warps, stages) for 128-token pages: 64- and 128-key tiles (keys on M: wgmma from M = 64 per
+# warp group). Stages (compile report, sm_90): 2-4 keep one K/V tile of code bytes in flight per
+# program, 5 double-buffers it (shared 15 -> 25 KB at SUB = 64, 27 -> 45 KB at 128); registers
+# (131-175) allow 1-3 programs per SM.
+V6_CONFIGS = ((64, 4, 2), (64, 4, 5), (128, 4, 2), (128, 4, 5), (128, 8, 2), (128, 8, 5))
+_sparse_attn_v6_tuned = triton.autotune(
+    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
+    key=["tune_class", "PAGE"],
+    do_bench=safe_do_bench,
+)(_sparse_attn_v6_kernel)
+
+
 @triton.jit
 def _merge_kernel(
     part_ptr, ml_ptr, vscale_ptr, out_ptr, stride_ot, stride_oh,
@@ -260,8 +404,9 @@ def sparse_attention_triton(
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] in q's dtype (written into `out_THC` if given); see the module notes. No host syncs.
     `variant`: "v5" decodes NVFP4 pages of head dim 128 in packed 8-byte-aligned rows by coalesced
-    word loads to fp16 for the FP8-numerics path (other NVFP4 shapes: the byte-wise decode); "v2"
-    the byte-wise decode to e4m3 for every shape (the baseline tests and benchmarks compare with)."""
+    word loads to fp16 for the FP8-numerics path (other NVFP4 shapes: the byte-wise decode); "v6"
+    runs `_sparse_attn_v6_kernel` on those same pages (anything else as v5); "v2" the byte-wise
+    decode to e4m3 for every shape (the baseline tests and benchmarks compare with)."""
     if variant not in DecodeVariant.__args__:
         raise ValueError(
             f"sparse attention: variant must be one of {DecodeVariant.__args__}, got {variant!r}"
@@ -281,7 +426,8 @@ def sparse_attention_triton(
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
     fmt = _FMT[kv_cache.dtype]
     is_packed = C == V5_HEAD_DIM and pages.stride(2) == C // 2 + C // 16 and pages.data_ptr() % 8 == 0
-    is_v5 = variant == "v5" and fmt == FMT_NVFP4 and fp8_dot and is_packed  # 8-byte scale loads
+    is_v5 = variant != "v2" and fmt == FMT_NVFP4 and fp8_dot and is_packed  # 8-byte scale loads
+    is_v6 = is_v5 and variant == "v6"
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
         ml = torch.empty((T * N * splits * g_p2 * 2,), dtype=torch.float32, device=q_THC.device)
@@ -292,19 +438,33 @@ def sparse_attention_triton(
     # Autotune only where a launch is big enough to matter (small test shapes keep one compile).
     # `sub_tile` (tokens per K/V tile, dividing the page; tests) fixes the tile and skips tuning.
     is_tuned = use_hw_casts() and T * N * splits >= 256 and page == 128 and sub_tile is None
-    kernel = _sparse_attn_tuned if is_tuned else _sparse_attn_kernel
     sub_kw = {} if is_tuned else {"SUB": sub_tile or page}
-    kernel[(T, N, splits)](
-        q_THC, q_THC.stride(0), q_THC.stride(1),
-        pages, pages.stride(0), pages.stride(1), pages.stride(2),
-        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T,
-        sel, *sel_strides,
-        kv_cache.k_scale, kv_cache.v_scale, softmax_scale * LOG2E,
-        out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
-        n_slots, bps, splits, T * N, tune_class(n_slots, T * N),
-        G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
-        IS_SPLIT=splits > 1, HW=use_hw_casts(), V5=is_v5, **sub_kw,
-    )  # fmt: skip
+    if is_v6:
+        kernel = _sparse_attn_v6_tuned if is_tuned else _sparse_attn_v6_kernel
+        kernel[(T, N, splits)](
+            q_THC, q_THC.stride(0), q_THC.stride(1),
+            pages, pages.stride(0), pages.stride(1),
+            block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T,
+            sel, *sel_strides,
+            kv_cache.k_scale, kv_cache.v_scale, softmax_scale * LOG2E,
+            out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
+            n_slots, bps, splits, tune_class(n_slots, T * N),
+            G=G, G_P2=g_p2, C=C, PAGE=page, DENSE=is_dense, IS_SPLIT=splits > 1, HW=use_hw_casts(),
+            **sub_kw,
+        )  # fmt: skip
+    else:
+        kernel = _sparse_attn_tuned if is_tuned else _sparse_attn_kernel
+        kernel[(T, N, splits)](
+            q_THC, q_THC.stride(0), q_THC.stride(1),
+            pages, pages.stride(0), pages.stride(1), pages.stride(2),
+            block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T,
+            sel, *sel_strides,
+            kv_cache.k_scale, kv_cache.v_scale, softmax_scale * LOG2E,
+            out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
+            n_slots, bps, splits, T * N, tune_class(n_slots, T * N),
+            G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
+            IS_SPLIT=splits > 1, HW=use_hw_casts(), V5=is_v5, **sub_kw,
+        )  # fmt: skip
     if splits > 1:
         _merge_kernel[(T, N)](
             part, ml, kv_cache.v_scale, out_THC, out_THC.stride(0), out_THC.stride(1),
@@ -364,11 +524,10 @@ def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.con
 def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
     """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
     (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).
-    variant "v2": the byte-wise decode; "v5" (head dim 128, packed rows) the word-wise one."""
-    if variant not in DecodeVariant.__args__:
-        raise ValueError(
-            f"nvfp4 rows to fp8: variant must be one of {DecodeVariant.__args__}, got {variant!r}"
-        )
+    variant "v2": the byte-wise decode; "v5" (head dim 128, packed rows) the word-wise one (v6 rounds
+    nothing to e4m3, so it has no such dequantizer)."""
+    if variant not in ("v5", "v2"):
+        raise ValueError(f"nvfp4 rows to fp8: variant must be one of ('v5', 'v2'), got {variant!r}")
     R, X = buf_RX.shape
     C = X * 16 // 9
     if variant == "v5" and (C != V5_HEAD_DIM or buf_RX.data_ptr() % 8 or buf_RX.stride(0) != X):

@@ -35,6 +35,8 @@ GROUPS = {
         "attention_empty_selection_gives_zeros",
         "attention_v5_nvfp4_matches_v2_and_emulated_reference",
         "attention_v5_dequant_bit_exact",
+        "attention_v6_nvfp4_matches_reference",
+        "attention_v6_equals_v5_where_v5_rounds_nothing",
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
     "moe": [
@@ -272,13 +274,15 @@ def _scores_close(got, q, ic, table, seq, pos, page):
 
 
 # ------------------------------------------------------------------------------------------ attention
-def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False):
+def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False, calib=448):
+    """`calib`: the global scales are amax / calib (448: block scales <= 74.7; 2688, the weight rule:
+    block scales up to 448, so e2m1 x scale reaches 2688)."""
     from model.kv_cache import PagedKV, quantize_kv
 
     table, n_pages = _ragged_tables(lens, page, width, gen)
     k = torch.randn(n_pages, page, N, C, generator=gen) * 2
     v = torch.randn(n_pages, page, N, C, generator=gen)
-    ks, vs = torch.tensor(float(k.abs().max()) / 448), torch.tensor(float(v.abs().max()) / 448)
+    ks, vs = torch.tensor(float(k.abs().max()) / calib), torch.tensor(float(v.abs().max()) / calib)
     stored = torch.stack([quantize_kv(k, dtype, ks), quantize_kv(v, dtype, vs)], dim=3)
     pages = stored.reshape(n_pages, page, 2 * N, -1).transpose(1, 2).contiguous()  # [P, 2N, page, X]
     seq, pos = _rows(lens, rows_per, gen)
@@ -423,6 +427,80 @@ def attention_v5_dequant_bit_exact(device):
         n_bad = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
         if n_bad:
             return False, f"scale={scale}: {n_bad} bytes differ"
+    return True, ""
+
+
+# M3 page (128) and G of the presets ("small": 8 / 4 = 2, "m3.1-flash": 64 / 4 = 16), head dim 128:
+# N, G, lens (partially visible last blocks: 300 = 2 x 128 + 44, 129 = 128 + 1), table width,
+# selected slots K, rows per sequence, sub-tile, a group with no selected block, walks (dense or not).
+# Shape 1 has T x N = 24 work items (one split on the interpreter's 4 "SMs"), shape 2 has 2 (splits
+# and `_merge_kernel`); sub-tile 64 walks each page in two K/V tiles.
+_V6_SHAPES = [(4, 2, [300, 129, 70], 3, 2, 2, 64, True, (False, True)),
+              (1, 16, [260, 200], 3, 2, 1, None, False, (False,))]  # fmt: skip
+
+
+def _v6_cuda_shapes(device):
+    """On CUDA, also a launch big enough for the autotuned kernel (every V6_CONFIGS entry)."""
+    return [(4, 16, [3000] * 4, 24, 16, 2, None, False, (False,))] if device == "cuda" else []
+
+
+def attention_v6_nvfp4_matches_reference(device):
+    """v6 NVFP4 attention (head dim 128, packed rows; K and V decoded in registers into the dot
+    operands) against the fp32 reference on the real NVFP4 inputs: its only roundings are P to e4m3
+    (as v5; relative <= 2^-4 per normal weight, 2^-10 absolute below e4m3's normal range, errors of
+    both signs) and the bf16 output, so it must be within 2^-5 of the output scale (measured on the
+    interpreter: 1.0-1.6%; v5, which also rounds q, K and V to e4m3, is 5-7% off this reference, and
+    84-87% at amax / 2688, where it saturates). Caches calibrated at amax / 448 and at
+    amax / 2688 (block scales up to 448: v5 saturates e2m1 x scale at 448, v6 must not); split and
+    dense walks, sub-tiles, -1 slots and a group with no selected block (zeros); outputs poisoned."""
+    from model.kernels.sparse_attention import sparse_attention_ref
+
+    gen = torch.Generator().manual_seed(14)
+    for N, G, lens, width, K, rows, sub, empty, walks in _V6_SHAPES + _v6_cuda_shapes(device):
+        for calib in (448, 2688):
+            cpu, dev = _attn_problem("nvfp4", N, G, 128, 128, lens, width, K, rows, gen, device,
+                                     empty_row=empty, calib=calib)  # fmt: skip
+            for is_dense in walks:
+                sel_c, sel_d = (None, None) if is_dense else (cpu[6], dev[6])
+                want = sparse_attention_ref(*cpu[:6], sel_c, softmax_scale=128**-0.5).float()
+                got = _run_attention(dev, sel_d, sub_tile=sub, variant="v6")
+                scale = want.abs().max().item()
+                err = (got - want).abs().max().item()
+                if not (torch.isfinite(got).all() and err <= 2**-5 * scale):
+                    return False, f"N={N} G={G} /{calib} dense={is_dense}: max err {err} ({scale})"
+                if empty and not is_dense and not torch.equal(got[0, :G], torch.zeros_like(got[0, :G])):
+                    return False, f"group with no selected block must give zeros, got {got[0, :G]}"
+    return True, ""
+
+
+def attention_v6_equals_v5_where_v5_rounds_nothing(device):
+    """On inputs that v5's e4m3 roundings leave exact (queries on the e4m3 grid with row amax
+    448 x 2^-6; block scales in {1, 1.5} x 2^[-2, 4], so every e2m1 x scale has <= 3 significant bits
+    and lies in [2^-3, 144]), v5 and v6 compute the same scores up to fp32 summation order, the same
+    e4m3 P and exact products: their bf16 outputs may differ by one bf16 ulp (2^-7 relative at most,
+    from the different fp32 order of the last divide and multiplies) plus fp32-order noise (2^-14 of
+    the output scale; measured on the interpreter: 1 element of 4096-6144 differs, by 2e-8 of it).
+    The check that v6 rounds P as v5 does."""
+    gen = torch.Generator().manual_seed(15)
+    for N, G, lens, width, K, rows, sub, empty, walks in _V6_SHAPES + _v6_cuda_shapes(device):
+        cpu, dev = _attn_problem("nvfp4", N, G, 128, 128, lens, width, K, rows, gen, device, empty_row=empty)
+        q, kv = cpu[0], cpu[1]
+        exps = torch.randint(-2, 5, (*kv.pages.shape[:-1], 8), generator=gen).float()
+        mant = 1.0 + 0.5 * torch.randint(0, 2, exps.shape, generator=gen).float()
+        pages = kv.pages.clone()
+        pages[..., 64:] = (mant * 2**exps).to(torch.float8_e4m3fn).view(torch.uint8)
+        q8 = (torch.randn(q.shape, generator=gen) * 2).clamp(-6, 6).to(torch.float8_e4m3fn).float()
+        q8[..., 0] = 448.0
+        q = (q8 * 2**-6).to(torch.bfloat16)  # exact in bf16; q x 448 / amax = q8 exactly
+        kv_dev = type(kv)(pages.to(device), "nvfp4", kv.k_scale.to(device), kv.v_scale.to(device), 128)
+        dev = (q.to(device), kv_dev, *dev[2:])
+        for is_dense in walks:
+            sel_d = None if is_dense else dev[6]
+            v5 = _run_attention(dev, sel_d, sub_tile=sub, variant="v5")
+            v6 = _run_attention(dev, sel_d, sub_tile=sub, variant="v6")
+            tol = 2**-7 * v5.abs() + 2**-14 * v5.abs().max()
+            if not (torch.isfinite(v6).all() and ((v6 - v5).abs() <= tol).all()):
+                return False, f"N={N} G={G} dense={is_dense}: max gap {(v6 - v5).abs().max().item()}"
     return True, ""
 
 
