@@ -21,6 +21,7 @@ import triton.language as tl
 
 from model.kernels.triton_common import (
     dot_bf16,
+    e2m1_half_f16,
     f32_to_bf16,
     load_nvfp4_tile,
     num_sms,
@@ -126,37 +127,8 @@ def _index_scores_kernel(
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
 
 
-# v6 decode: E2M1 nibbles -> e4m3 bytes worth e2m1 * 2^-6 (docs/FACTS.md, "Kernel facts"), four at
-# a time in one 32-bit register, then packed e4m3x2 -> f16x2 converts. Low nibbles (even values) and
-# high nibbles (odd values) are separate tiles, so no interleave ever reorders registers.
-_E2M1_LO_F16X4 = tl.constexpr(
-    "{ .reg .b32 t0, t1; .reg .b16 h0, h1;\n"
-    " and.b32 t0, $2, 0x07070707; shl.b32 t0, t0, 2; and.b32 t1, $2, 0x08080808; shl.b32 t1, t1, 4;\n"
-    " or.b32 t0, t0, t1; mov.b32 {h0, h1}, t0; cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }"
-)
-_E2M1_HI_F16X4 = tl.constexpr(
-    "{ .reg .b32 t0, t1; .reg .b16 h0, h1;\n"
-    " shr.b32 t0, $2, 2; and.b32 t0, t0, 0x1C1C1C1C; and.b32 t1, $2, 0x80808080;\n"
-    " or.b32 t0, t0, t1; mov.b32 {h0, h1}, t0; cvt.rn.f16x2.e4m3x2 $0, h0; cvt.rn.f16x2.e4m3x2 $1, h1; }"
-)
-
-
-@triton.jit
-def _e2m1_half_f16(b, HI: tl.constexpr, HW: tl.constexpr):
-    """uint8 code bytes -> fp16 e2m1 * 2^-6 of their low (HI False) or high nibbles, elementwise."""
-    if HW and HI:
-        return tl.inline_asm_elementwise(
-            _E2M1_HI_F16X4, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4
-        )
-    if HW:
-        return tl.inline_asm_elementwise(
-            _E2M1_LO_F16X4, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4
-        )
-    if HI:
-        e4m3 = ((b >> 2) & 0x1C) | (b & 0x80)
-    else:
-        e4m3 = ((b & 7) << 2) | ((b & 8) << 4)
-    return e4m3.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+# v6 decode: `triton_common.e2m1_half_f16` (E2M1 nibbles -> fp16 e2m1 * 2^-6 in registers; low and
+# high nibbles are separate tiles, so no interleave ever reorders registers).
 
 
 # `_index_scores_v6_kernel` (NVFP4 keys, C = 128, bf16 queries), grid (T, SPLITS) as the tile kernel. Keys
@@ -215,8 +187,8 @@ def _index_scores_v6_kernel(
             rows = pages_ptr + page * stride_pp + (u * SUB + offs_s[:, None]) * ROW
             # Unmasked: a visible block's page is allocated; keys past pos are dropped below.
             codes_sj = tl.load(rows + offs_j[None, :])
-            even_sj = _e2m1_half_f16(codes_sj, False, HW)
-            odd_sj = _e2m1_half_f16(codes_sj, True, HW)
+            even_sj = e2m1_half_f16(codes_sj, False, HW)
+            odd_sj = e2m1_half_f16(codes_sj, True, HW)
             part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
             # The row's NB scale bytes once, broadcast over the heads (a [SUB, W] gather cost 1.09x).
             bscale_sb = tl.load(rows + HALF + offs_b[None, :]).to(tl.float8e4nv, bitcast=True)
