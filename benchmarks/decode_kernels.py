@@ -53,8 +53,8 @@ from model.layers.moe import ExpertBank
 # (host syncs, not capturable) are eager.
 #
 # `--variants`: the versions timed side by side, each op taking those it has (OP_VARIANTS; without the
-# flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v3 (NVFP4 decoded
-# word-wise to fp16, the default), v6 (keys on the MMA's M side, the candidate), v2 (byte-wise);
+# flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v6 (NVFP4 keys on
+# the MMA's M side, the default), v2 (byte-wise);
 # later versions record whether their selections equal the baseline's. Attention: v5 (coalesced word
 # loads, the default), v6 (K / V decoded in registers into the dot operands, the candidate; autotuned
 # over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4
@@ -172,10 +172,9 @@ def ratio_rows(kernel: str, shape: str, times: dict, variants: tuple, target: fl
 def run_indexer(
     cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["indexer"]
 ) -> None:
-    """Indexer scores + top-k per cache format and decode version (`variant`: v3 decodes NVFP4 keys
-    word-wise to fp16 and autotunes warps / stages; v6 the keys-on-M kernel, autotuned over
-    V6_CONFIGS; v2 the byte-wise decode, one config). FP8 and bf16 keys take the same code in every
-    version (v2 only leaves their launch untuned). Ratios per version."""
+    """Indexer scores + top-k per cache format and decode version (`variant`: v6 the keys-on-M
+    kernel for NVFP4, autotuned over V6_CONFIGS; v2 the byte-wise decode, one config). FP8 and bf16
+    keys take the same code in every version (v2 only leaves their launch untuned). Ratios per version."""
     N, C, page, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
     seq = torch.arange(B, device=device, dtype=torch.int32)
@@ -469,9 +468,9 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"],
-                    help="versions to time side by side, each op taking those it has (indexer v2 v3 v6, "
+                    help="versions to time side by side, each op taking those it has (indexer v2 v6, "
                          "attention v2 v5 v6, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
-                         "ratio rows); default: indexer v3 v6, attention v5, gemv v3, moe v2 v6")  # fmt: skip
+                         "ratio rows); default: indexer v6, attention v5, gemv v3, moe v2 v6")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json

@@ -335,20 +335,19 @@ def indexer_cases() -> list[Case]:
     from model.kernels import triton_indexer as ix
 
     out = []
-    for fmt, label, v3 in (
-        (2, "nvfp4 v3", True),
+    for fmt, label, tuned in (
         (2, "nvfp4 v2", False),
-        (1, "fp8", False),
-        (0, "bf16", False),
+        (1, "fp8", True),
+        (0, "bf16", True),
     ):
         ptrs = dict(q_ptr="bf16", pages_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", scale_ptr="fp32", out_ptr="fp32")  # fmt: skip
-        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True, V3=v3)
+        consts = dict(N=4, N_P2=16, C=128, PAGE=128, FMT=fmt, DOT_F32=False, HW=True)
         # elems: key values per thread per page (128 keys x 128 dims over the threads). NVFP4 rows are
         # 72 bytes: Triton gets no divisibility hint for their stride (not a multiple of 16).
         div = {"stride_ps": 1} if fmt == 2 else {}
-        configs = ix._index_scores_tuned.configs if v3 else [triton.Config({}, num_warps=4, num_stages=3)]
-        for cfg in configs:  # v3 launches are tuned over these; v2 runs the default
+        configs = ix._index_scores_tuned.configs if tuned else [triton.Config({}, num_warps=4, num_stages=3)]
+        for cfg in configs:  # FP8 / bf16 launches are tuned over these; v2 runs the default
             w, st = cfg.num_warps, cfg.num_stages
             out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
                             num_stages=st, elems=128 * 128 // (32 * w), divisibility=div,

@@ -26,6 +26,7 @@ from model.kernels.triton_common import (
     load_nvfp4_tile,
     num_sms,
     opaque_to_compile,
+    pow2_row_scale,
     safe_do_bench,
     use_hw_casts,
 )
@@ -55,17 +56,6 @@ def load_key_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl
         else:
             vals = raw.to(tl.float32)
     return vals
-
-
-@triton.jit
-def _pow2_prescale(q_nc):
-    """Per fp32 query row: (the power of two that puts the row's amax in [2^14, 2^15), its inverse).
-    Scaled by it, every bf16 value above amax * 2^-31 is exact in fp16 and none overflows (65504)."""
-    amax_n = tl.max(tl.abs(q_nc), axis=1)
-    e_n = tl.maximum((amax_n.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent, >= 15
-    mul_n = ((268 - e_n) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
-    inv_n = ((e_n - 14) << 23).to(tl.float32, bitcast=True)  # its inverse, a normal fp32
-    return mul_n, inv_n
 
 
 # Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width (max
@@ -138,7 +128,7 @@ def _index_scores_kernel(
 # not tiles: the B operand is the query expanded per scale block, column w = n * NB + b holding head
 # n's values in block b and zeros elsewhere, so one dot per half gives every block's partial score
 # [SUB, NP * NB]; times its key's block scale and summed over b that is the key's score per head.
-# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`_pow2_prescale`) are exact in fp16, each
+# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`pow2_row_scale`) are exact in fp16, each
 # product exact in the fp32 accumulator; the reference's scores up to fp32 summation order.
 @triton.jit
 def _index_scores_v6_kernel(
@@ -171,7 +161,7 @@ def _index_scores_v6_kernel(
     q_nc = tl.load(
         q_row + offs_n[:, None] * stride_qn + offs_c[None, :], mask=(offs_n < N)[:, None], other=0.0
     )
-    mul_n, inv_n = _pow2_prescale(q_nc.to(tl.float32))
+    mul_n, inv_n = pow2_row_scale(q_nc.to(tl.float32))
     mul_w = tl.reshape(tl.broadcast_to(mul_n[:, None], (NP, NB)), (W,))  # column w = n * NB + b: head n's
     g_n = inv_n * (tl.load(scale_ptr).to(tl.float32) * 64.0)
     is_w = ((offs_j[:, None] // 8) == col_b[None, :]) & (col_n < N)[None, :]

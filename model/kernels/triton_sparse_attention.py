@@ -88,6 +88,28 @@ def _load_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl.co
 # partials that `_merge_kernel` (grid (T, N)) combines: out = sum_s acc_s 2^(m_s - M) /
 # sum_s l_s 2^(m_s - M) * v_scale. SPLITS makes T * N * SPLITS cover ~4 waves of SMs.
 @triton.jit
+def _slot_count(pos, slot0, BPS, n_slots, PAGE: tl.constexpr, DENSE: tl.constexpr):
+    """Slots this split walks: dense, the blocks up to the query's own; sparse, the selection's slots
+    up to slot pos // PAGE (selections are left-packed and causal, so later slots hold only -1)."""
+    if DENSE:
+        return tl.minimum(BPS, pos // PAGE + 1 - slot0)
+    return tl.minimum(BPS, tl.minimum(n_slots, pos // PAGE + 1) - slot0)
+
+
+@triton.jit
+def _slot_page(sel_row, slot, bt_row, pos, offs_s, sub0, PAGE: tl.constexpr, DENSE: tl.constexpr):
+    """(block, its page, which of the sub-tile's tokens are keys) of a slot; a -1 slot reads page 0's
+    address and has no keys (negative positions)."""
+    if DENSE:
+        blk = slot.to(tl.int64)
+    else:
+        blk = tl.load(sel_row + slot).to(tl.int64)
+    page = tl.load(bt_row + tl.maximum(blk, 0)).to(tl.int64)
+    tok_s = blk * PAGE + sub0 + offs_s
+    return blk, page, (tok_s <= pos) & (tok_s >= 0)
+
+
+@triton.jit
 def _sparse_attn_kernel(
     q_ptr, stride_qt, stride_qh,
     kv_ptr, stride_kp, stride_kh, stride_ks,
@@ -107,10 +129,9 @@ def _sparse_attn_kernel(
     seq = tl.load(seq_ptr + pid_t).to(tl.int64)
     pos = tl.load(pos_ptr + pid_t).to(tl.int64)
     slot0 = pid_s * BPS
-    if DENSE:
-        n_iter = tl.minimum(BPS, pos // PAGE + 1 - slot0)
-    else:  # selections are left-packed and causal: slots from pos // PAGE + 1 on hold only -1
-        n_iter = tl.minimum(BPS, tl.minimum(n_slots, pos // PAGE + 1) - slot0)
+    n_iter = _slot_count(pos, slot0, BPS, n_slots, PAGE, DENSE)
+    sel_row = sel_ptr + pid_t * stride_st + pid_n * stride_sn
+    bt_row = bt_ptr + seq * stride_bb
 
     offs_g = tl.arange(0, G_P2)
     offs_c = tl.arange(0, C)
@@ -150,13 +171,7 @@ def _sparse_attn_kernel(
     for i in range(0, n_iter * NSUB):
         slot = i // NSUB
         sub0 = (i % NSUB) * SUB
-        if DENSE:
-            blk = (slot0 + slot).to(tl.int64)
-        else:
-            blk = tl.load(sel_ptr + pid_t * stride_st + pid_n * stride_sn + slot0 + slot).to(tl.int64)
-        page = tl.load(bt_ptr + seq * stride_bb + tl.maximum(blk, 0)).to(tl.int64)
-        tok_s = blk * PAGE + sub0 + offs_s
-        is_key = (tok_s <= pos) & (tok_s >= 0)  # -1 slots give negative positions: no keys
+        blk, page, is_key = _slot_page(sel_row, slot0 + slot, bt_row, pos, offs_s, sub0, PAGE, DENSE)
         k_page = k_base + page * stride_kp
         row_off = (sub0 + offs_s) * stride_ks
         k_rows = k_page + row_off
@@ -262,10 +277,9 @@ def _sparse_attn_v6_kernel(
     seq = tl.load(seq_ptr + pid_t).to(tl.int64)
     pos = tl.load(pos_ptr + pid_t).to(tl.int64)
     slot0 = pid_s * BPS
-    if DENSE:
-        n_iter = tl.minimum(BPS, pos // PAGE + 1 - slot0)
-    else:
-        n_iter = tl.minimum(BPS, n_slots - slot0)
+    n_iter = _slot_count(pos, slot0, BPS, n_slots, PAGE, DENSE)
+    sel_row = sel_ptr + pid_t * stride_st + pid_n * stride_sn
+    bt_row = bt_ptr + seq * stride_bb
     HALF: tl.constexpr = C // 2  # code bytes per row; the C / 16 scale bytes follow
     ROW: tl.constexpr = HALF + C // 16  # packed row bytes: a constant stride (8-byte aligned rows)
     NSUB: tl.constexpr = PAGE // SUB
@@ -295,13 +309,7 @@ def _sparse_attn_v6_kernel(
     for i in range(0, n_iter * NSUB):
         slot = i // NSUB
         sub0 = (i % NSUB) * SUB
-        if DENSE:
-            blk = (slot0 + slot).to(tl.int64)
-        else:
-            blk = tl.load(sel_ptr + pid_t * stride_st + pid_n * stride_sn + slot0 + slot).to(tl.int64)
-        page = tl.load(bt_ptr + seq * stride_bb + tl.maximum(blk, 0)).to(tl.int64)
-        tok_s = blk * PAGE + sub0 + offs_s
-        is_key = (tok_s <= pos) & (tok_s >= 0)  # -1 slots give negative positions: no keys
+        _, page, is_key = _slot_page(sel_row, slot0 + slot, bt_row, pos, offs_s, sub0, PAGE, DENSE)
         k_rows = k_base + page * stride_kp + (sub0 + offs_s) * ROW
         # K unmasked: a selected block's page is allocated, and a garbage row (even a NaN scale) only
         # reaches its own row of S^T, which the where below drops.
