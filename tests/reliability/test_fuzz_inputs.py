@@ -193,6 +193,7 @@ OVERRIDES: list[tuple[str, str]] = [  # (override, what the error must name)
     ("rollout.max_tokens=0", "max_tokens"),
     ("rollout.kv_cache_dtype=int4", "kv_cache_dtype"),
     ("rollout.gpu_memory_utilization=2", "gpu_memory_utilization"),
+    ("rollout.kv_cache_memory_bytes=0", "kv_cache_memory_bytes"),
     ("rollout.num_workers=0", "num_workers"),
     ("rollout.num_gpus=1", "num_gpus"),
     ("rollout.max_pages=0", "max_pages"),

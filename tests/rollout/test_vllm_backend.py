@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     twin = prepare_hf_base(root / "hf", root / "twin")
     engine = VLLMEngine(VLLMSettings(
         model=str(twin), dtype="float32", max_model_len=256, lora_r=32, lora_alpha=64, lora_targets=TARGETS,
-        gpu_memory_utilization=0.2, eos_token_id=2, max_num_seqs=32,
+        kv_cache_memory_bytes=256 << 20, eos_token_id=2, max_num_seqs=32,
     ))  # fmt: skip
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
     state = {"version": 0}

@@ -31,7 +31,7 @@ PROMPTS = [(1, 52, 54, 35, 51, 56), (1, 70, 71, 72), (1, 40, 41, 42, 43, 44, 45,
 def _settings(model_dir, targets=TARGETS) -> VLLMSettings:
     return VLLMSettings(
         model=str(model_dir), dtype="float32", max_model_len=256, lora_r=16, lora_alpha=32,
-        lora_targets=targets, gpu_memory_utilization=0.05, eos_token_id=2, max_num_seqs=16,
+        lora_targets=targets, kv_cache_memory_bytes=128 << 20, eos_token_id=2, max_num_seqs=16,
     )  # fmt: skip
 
 

@@ -33,7 +33,7 @@ def test_vllm_multiturn_logprobs_equal_the_learners_whole_trajectory(tmp_path):
                                  for k, v in policy.adapter_tensors().items()})  # fmt: skip
     engine = VLLMEngine(VLLMSettings(
         model=str(prepare_hf_base(tmp_path / "hf", tmp_path / "twin")), dtype="float32", max_model_len=256,
-        lora_r=32, lora_alpha=64, lora_targets=TARGETS, gpu_memory_utilization=0.2, eos_token_id=2,
+        lora_r=32, lora_alpha=64, lora_targets=TARGETS, kv_cache_memory_bytes=256 << 20, eos_token_id=2,
         max_num_seqs=16,
     ))  # fmt: skip
     try:
