@@ -7,8 +7,8 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v3 v6]   (MoE v6 vs v2: --only moe --variants v6; attention v5 vs v6 vs FP8:
-       --only attention --variants v5 v6)
+       [--variants v2 v6]   (MoE v6 vs v2: --only moe --variants v6; attention v2 vs v6 vs FP8:
+       --only attention --variants v2 v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -54,23 +54,22 @@ from model.layers.moe import ExpertBank
 #
 # `--variants`: the versions timed side by side, each op taking those it has (OP_VARIANTS; without the
 # flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v6 (NVFP4 keys on
-# the MMA's M side, the default), v2 (byte-wise);
-# later versions record whether their selections equal the baseline's. Attention: v5 (coalesced word
-# loads, the default), v6 (K / V decoded in registers into the dot operands, the candidate; autotuned
-# over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4
-# and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio table
-# prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by the v2
-# tile kernel and by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) side by side,
-# routed and layer times per variant, then v6 vs v2 (v2 is always timed, as the baseline).
+# the MMA's M side, the default), v2 (byte-wise); later versions record whether their selections
+# equal the baseline's. Attention: v6 (K / V decoded in registers into the dot operands, the default;
+# autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel).
+# NVFP4 and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio
+# table prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by
+# the v2 tile kernel and by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) side by
+# side, routed and layer times per variant, then v6 vs v2 (v2 is always timed, as the baseline).
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v6"),
-    "attention": ("v2", "v5", "v6"),
+    "attention": ("v2", "v6"),
     "gemv": ("v2", "v3"),
     "moe": ("v2", "v6"),
 }
-OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v5",), "gemv": ("v3",), "moe": ("v2", "v6")}
+OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v6")}
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 
@@ -241,11 +240,10 @@ def naive_selected_attention(q, kv: PagedKV, table, pos, sel, scale):
 def run_attention(
     cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["attention"]
 ) -> None:
-    """Sparse attention decode per cache format and version (v5: NVFP4 pages decoded by coalesced word
-    loads to fp16 e4m3 values, fp16 dots; v6: NVFP4 code bytes decoded in registers into the dot
-    operands, `_sparse_attn_v6_tuned`; v2: byte-wise to e4m3, FP8 dots; FP8 / bf16 caches run the
-    same code in every version), each with its own autotune pick. Ratios NVFP4 vs FP8 per version,
-    and each later version vs the first."""
+    """Sparse attention decode per cache format and version (v6: NVFP4 code bytes decoded in
+    registers into the dot operands, `_sparse_attn_v6_tuned`; v2: byte-wise to e4m3, FP8 dots; FP8
+    / bf16 caches run the same code in every version), each with its own autotune pick. Ratios
+    NVFP4 vs FP8 per version, and each later version vs the first."""
     H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     page, K = cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
@@ -467,10 +465,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
-    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"],
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6"],
                     help="versions to time side by side, each op taking those it has (indexer v2 v6, "
-                         "attention v2 v5 v6, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
-                         "ratio rows); default: indexer v6, attention v5, gemv v3, moe v2 v6")  # fmt: skip
+                         "attention v2 v6, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
+                         "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v6")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json

@@ -32,7 +32,7 @@ from pathlib import Path
 # attention cache format, NVFP4 in both decode versions, over the configurations those launches
 # autotune; 72-byte NVFP4 row strides get no divisibility hint, as at run time. --mem adds the loop's
 # memory instructions by opcode (LDG.64 / LDG.128 / LDGSTS, STS.U16 / STS.128, LDSM) and the register
-# layouts of the big global loads (TTGIR): the evidence for the coalescing of the v5 word loads.
+# layouts of the big global loads (TTGIR): the evidence for how the page loads are coalesced.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -369,18 +369,13 @@ def attention_cases() -> list[Case]:
     from model.kernels import triton_sparse_attention as sa
 
     out = []
-    for fmt, label, v5 in (
-        (2, "nvfp4 v5", True),
-        (2, "nvfp4 v2", False),
-        (1, "fp8", False),
-        (0, "bf16", False),
-    ):
+    for fmt, label in ((2, "nvfp4 v2"), (1, "fp8"), (0, "bf16")):
         ptrs = dict(q_ptr="bf16", kv_ptr="bf16" if fmt == 0 else "u8", bt_ptr="i32", seq_ptr="i32",
                     pos_ptr="i64", sel_ptr="i64", kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16",
                     part_ptr="fp32", ml_ptr="fp32")  # fmt: skip
         for cfg in sa._sparse_attn_tuned.configs:
             consts = dict(G=16, G_P2=16, C=128, PAGE=128, FMT=fmt, FP8_DOT=fmt != 0, DENSE=False,
-                          IS_SPLIT=True, HW=True, V5=v5, **cfg.kwargs)  # fmt: skip
+                          IS_SPLIT=True, HW=True, **cfg.kwargs)  # fmt: skip
             sub = cfg.kwargs["SUB"]
             # elems: K plus V values per thread per SUB-token step; NVFP4 rows are 72 bytes (no hint).
             div = {"stride_ks": 1} if fmt == 2 else {}

@@ -11,7 +11,7 @@ replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GE
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv] [--batch 64] [--context 131072]
        [--variants v2 v6]   (each op profiles the named versions it has, else its default: indexer v6,
-       attention v5; attention v5 vs v6: --only attention --variants v5 v6)
+       attention v6; attention v2 vs v6: --only attention --variants v2 v6)
 """
 
 import argparse
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["indexer", "attention", "gemv"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v5", "v6"])
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6"])
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def main() -> None:
             kv = PagedKV(
                 pages, dtype, torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), C
             )
-            for v in versions("attention", "v5"):
+            for v in versions("attention", "v6"):
                 fn = lambda kv=kv, v=v: sparse_attention_triton(
                     q_a, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=v
                 )

@@ -330,7 +330,8 @@ class RolloutSection:
         )
         require(
             self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-            f"rollout.kv_cache_memory_bytes must be a positive byte count or null, got {self.kv_cache_memory_bytes}",
+            "rollout.kv_cache_memory_bytes must be a positive byte count or null, got "
+            f"{self.kv_cache_memory_bytes}",
         )
 
 

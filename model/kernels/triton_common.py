@@ -3,8 +3,8 @@
 Why a module of its own: the KV append, indexer, sparse-attention and MoE kernels all decode E2M1
 nibbles and round fp32 to E4M3 / bf16, and each must do it as `model.nvfp4` does, bit for bit. E2M1
 decodes without tables by the bit trick of docs/FACTS.md, "Kernel facts" (callers fold 2^6 into the
-block scale); `load_nvfp4_tile_f16_v5` (the attention's v5: a flat row * 8 + block index so a
-warp's word loads cover whole rows) decodes 16-value blocks in inline PTX.
+block scale); `e2m1_half_f16` / `e2m1_half_scaled_f16` (the indexer's and the attention's v6)
+decode four code bytes per 32-bit register in inline PTX straight into a dot operand.
 
 Invariants: every rounding cast is round-to-nearest-even in both implementations chosen by the
 constexpr `HW` (the hardware `cvt.rn.satfinite` when compiled for a GPU; integer bit manipulation in
@@ -21,10 +21,6 @@ import triton.language as tl
 
 # Why software casts under TRITON_INTERPRET=1: Triton 3.9's interpreter rounds half away from zero,
 # drops the carry of a rounded-up mantissa when the exponent is odd and truncates subnormals.
-# v3 tile decode: the E2M1 -> E4M3 identity applied to four nibbles per 32-bit operation inside one
-# inline-PTX block per 16-value scale block, then packed e4m3x2 -> f16x2 converts and f16x2 scale
-# multiplies; elementwise asm (pack = 1) plus a tl.join tree, so correctness does not depend on
-# Triton's register layouts. The interpreter runs a plain-Triton twin giving the same values.
 
 E2M1_FP8_SHIFT: tl.constexpr = tl.constexpr(64.0)
 """e2m1(q) = fp8_bits(q) * 2^6: the factor folded into block scales by every E2M1 decode."""
@@ -215,191 +211,15 @@ def e2m1_nibble_f32_x2p126(w, NIB: tl.constexpr):
     return ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # -2118123520 = 0x81C00000 as int32
 
 
-# ---------------------------------------------------------------------- v3: word-wise NVFP4 -> fp16
-# One 16-value block (two int32 code words + its e4m3 scale byte) -> 16 fp16 values e2m1 * s (exact:
-# at most 6 significant bits, in [2^-10, 2688], all normal fp16), or e4m3_rne(clamp(e2m1 * s, +-448))
-# with ROUND (the FP8 attention path: bit for bit `nvfp4.kv_dequantize_fp8`). On the GPU this is one
-# inline-PTX block per scale block, SIMD within 32-bit registers, per code word w:
-#   e4m3 bytes of elements 0, 2, 4, 6:  ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C)
-#   e4m3 bytes of elements 1, 3, 5, 7:  ( w       & 0x80808080) | ((w >> 2) & 0x1C1C1C1C)
-# (e2m1 * 2^-6: docs/FACTS.md, "Kernel facts"), two byte permutes into element order (0 1 2 3 / 4 5 6 7),
-# then cvt.rn.f16x2.e4m3x2 and one mul.rn.f16x2 by (64 s, 64 s) per pair of adjacent elements:
-# ~2 instructions per value where the byte-wise decode takes ~13 (compile report). The asm is
-# elementwise (pack = 1) over [rows, blocks] tensors, so its result does not depend on Triton's
-# register layout. Output i holds element bitreverse4(i) of the block: a balanced tl.join tree over
-# outputs 0..15 and a reshape put leaf i at position bitreverse4(i), so the tile comes out in natural
-# element order with no data movement, and each f16x2 register the asm wrote (elements 2k, 2k + 1:
-# leaves bitreverse4(2k) and that + 8, joined last) stays one register.
-
-
-def _bitrev4(i: int) -> int:
-    return int(f"{i:04b}"[::-1], 2)
-
-
-def _nvfp4_block_asm(is_round: bool) -> str:
-    lines = [
-        "{",
-        ".reg .b32 t, u, s2, c64, e<4>, p<4>, f<8>;",
-        ".reg .b16 sb, sh, x<8>, y<8>;",
-        "prmt.b32 t, $18, $18, 0;",  # the scale byte in every byte
-        "mov.b32 {sb, sh}, t;",
-        "cvt.rn.f16x2.e4m3x2 s2, sb;",  # (s, s)
-        "mov.b32 c64, 0x54005400;",  # (64.0, 64.0) in fp16: e4m3 bytes are e2m1 * 2^-6
-        "mul.rn.f16x2 s2, s2, c64;",
-    ]
-    for wi, w in enumerate(("$16", "$17")):
-        ev, od = f"e{2 * wi}", f"e{2 * wi + 1}"
-        lines += [
-            f"shl.b32 t, {w}, 4;",
-            "and.b32 t, t, 0x80808080;",
-            f"shl.b32 u, {w}, 2;",
-            "and.b32 u, u, 0x1C1C1C1C;",
-            f"or.b32 {ev}, t, u;",  # bytes: elements 0, 2, 4, 6 of the word
-            f"and.b32 t, {w}, 0x80808080;",
-            f"shr.b32 u, {w}, 2;",
-            "and.b32 u, u, 0x1C1C1C1C;",
-            f"or.b32 {od}, t, u;",  # bytes: elements 1, 3, 5, 7
-            f"prmt.b32 p{2 * wi}, {ev}, {od}, 0x5140;",  # elements 0 1 2 3
-            f"prmt.b32 p{2 * wi + 1}, {ev}, {od}, 0x7362;",  # elements 4 5 6 7
-            f"mov.b32 {{x{4 * wi}, x{4 * wi + 1}}}, p{2 * wi};",
-            f"mov.b32 {{x{4 * wi + 2}, x{4 * wi + 3}}}, p{2 * wi + 1};",
-        ]
-    for k in range(8):  # f<k> = elements (2k, 2k + 1) of the block
-        lines.append(f"cvt.rn.f16x2.e4m3x2 f{k}, x{k};")
-        lines.append(f"mul.rn.f16x2 f{k}, f{k}, s2;")
-        if is_round:  # e4m3 RNE of the exact product (satfinite: +-448, as the reference clamps)
-            lines.append(f"cvt.rn.satfinite.e4m3x2.f16x2 y{k}, f{k};")
-            lines.append(f"cvt.rn.f16x2.e4m3x2 f{k}, y{k};")
-        lines.append(f"mov.b32 {{${_bitrev4(2 * k)}, ${_bitrev4(2 * k + 1)}}}, f{k};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-_ASM_BLOCK = tl.constexpr(_nvfp4_block_asm(False))
-_ASM_BLOCK_ROUND = tl.constexpr(_nvfp4_block_asm(True))
-_ASM_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 16 + ["r", "r", "r"]))
-
-
-@triton.jit
-def _element_f16(w0, w1, LEAF: tl.constexpr, s_x64, ROUND: tl.constexpr):
-    """Interpreter twin of asm output LEAF: element bitreverse4(LEAF) of the block -> fp16, same value."""
-    E: tl.constexpr = ((LEAF & 1) << 3) | ((LEAF & 2) << 1) | ((LEAF & 4) >> 1) | ((LEAF & 8) >> 3)
-    if E < 8:
-        w = w0
-    else:
-        w = w1
-    val = e2m1_to_f32_x64((w >> (4 * (E % 8))) & 0xF) * s_x64
-    if ROUND:
-        val = f32_to_e4m3(tl.minimum(tl.maximum(val, -448.0), 448.0), False).to(tl.float32)
-    return val.to(tl.float16)
-
-
-@triton.jit
-def nvfp4_block_f16(w0, w1, s_bits, ROUND: tl.constexpr, HW: tl.constexpr):
-    """Code words w0, w1 (int32: elements 0-7 / 8-15 of a block) and scale bytes s_bits (int32, 0..255)
-    of one shape -> 16 fp16 tensors; tensor i holds element bitreverse4(i) of each block."""
-    if HW:
-        if ROUND:
-            out = tl.inline_asm_elementwise(_ASM_BLOCK_ROUND, _ASM_CONSTRAINTS, [w0, w1, s_bits],
-                                            dtype=(tl.float16,) * 16, is_pure=True, pack=1)  # fmt: skip
-        else:
-            out = tl.inline_asm_elementwise(_ASM_BLOCK, _ASM_CONSTRAINTS, [w0, w1, s_bits],
-                                            dtype=(tl.float16,) * 16, is_pure=True, pack=1)  # fmt: skip
-    else:
-        s = s_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * E2M1_FP8_SHIFT
-        out = (
-            _element_f16(w0, w1, 0, s, ROUND), _element_f16(w0, w1, 1, s, ROUND),
-            _element_f16(w0, w1, 2, s, ROUND), _element_f16(w0, w1, 3, s, ROUND),
-            _element_f16(w0, w1, 4, s, ROUND), _element_f16(w0, w1, 5, s, ROUND),
-            _element_f16(w0, w1, 6, s, ROUND), _element_f16(w0, w1, 7, s, ROUND),
-            _element_f16(w0, w1, 8, s, ROUND), _element_f16(w0, w1, 9, s, ROUND),
-            _element_f16(w0, w1, 10, s, ROUND), _element_f16(w0, w1, 11, s, ROUND),
-            _element_f16(w0, w1, 12, s, ROUND), _element_f16(w0, w1, 13, s, ROUND),
-            _element_f16(w0, w1, 14, s, ROUND), _element_f16(w0, w1, 15, s, ROUND),
-        )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _join_tree16(o):
-    """Balanced join of 16 same-shape tensors -> [..., 2, 2, 2, 2]; leaf i lands at flat index
-    bitreverse4(i) of the trailing 16 (join appends the new, fastest dim)."""
-    a = tl.join(
-        tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])), tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7]))
-    )
-    b = tl.join(
-        tl.join(tl.join(o[8], o[9]), tl.join(o[10], o[11])),
-        tl.join(tl.join(o[12], o[13]), tl.join(o[14], o[15])),
-    )
-    return tl.join(a, b)
-
-
-@triton.jit
-def dot_f16(a, b, HW: tl.constexpr):
-    """fp16 x fp16 -> fp32 tensor-core dot (products exact in fp32); fp32 in the interpreter, as
-    `dot_bf16`."""
-    if HW:
-        out = tl.dot(a, b)
-    else:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return out
-
-
-@triton.jit
-def load_nvfp4_tile_f16_v5(base_ptr, n_valid, C: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
-                           MASKED: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """Word-wise NVFP4 decode (v3's values, bit for bit; ROUND: rounded to e4m3 as
-    `nvfp4_tile_to_fp8` does), for ROWS packed rows at base_ptr + r * (C / 2 + C / 16) bytes
-    (base_ptr a multiple of 8, C = 128: 72-byte rows). MASKED: rows r >= n_valid (a scalar; <= 0:
-    none) read as zeros, else every row is read. The row stride is a constant so that a thread's rows
-    are immediate offsets of one address; the mask is a scalar bound so that no per-row tensor enters
-    the decode (see below).
-
-    Why (ncu on the H200, Triton 3.6): v3's [ROWS, NB, 2] word load came out with one thread per row
-    (8 x LDG.E.64 at +0, +8, ... +56: 8 of every 32 sector bytes used, L1/TEX 79% busy) and its tile
-    reached shared memory in 2-byte stores. Here everything hangs off one 1-D index f = row * NB +
-    block: each thread loads one block's 8 code bytes as one int64 (natural alignment, no hint
-    needed) and its scale byte, so consecutive threads read consecutive blocks of a row (a warp: 4
-    whole rows per load), and decodes them into 16 contiguous fp16 values (16-byte stores into shared
-    for the dot); the tile reshape keeps f as the outer index."""
-    NB: tl.constexpr = C // 16
-    offs_f = tl.arange(0, ROWS * NB)  # flat block index: row offs_f // NB, block offs_f % NB
-    blk_f = offs_f % NB
-    row_f = (offs_f // NB) * (C // 2 + NB)  # byte offset of the row
-    # Contiguity capped at one element: left to itself, the axis analysis sees runs of NB contiguous
-    # int64 (a whole row), and the coalescing pass gives each thread its whole run, loaded as NB
-    # 8-byte loads (8-byte alignment allows no wider ones): v3's layout on the H200, reproduced here
-    # with Triton 3.9 without this cap (compile report).
-    # The scale bytes: the row's 8 as one int64 (the 8 threads of a row load the same address: one
-    # broadcast), shifted to this block's byte. Loaded as a uint8 per block instead, the 8-bit load
-    # made the compiler plan the dot operand for an 8-bit source (kWidth 8: LDS.128 plus ~150 register
-    # moves per page instead of LDSM, compile report).
-    i64_ptr = base_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    word_ptrs = i64_ptr + tl.max_contiguous(row_f // 8 + blk_f, 1)
-    s_ptrs = i64_ptr + tl.max_contiguous(row_f // 8 + NB, 1)  # 72-byte rows: scales at word 8
-    if MASKED:
-        is_f = (offs_f // NB) < n_valid
-        words_f = tl.load(word_ptrs, mask=is_f, other=0)
-        s_row_f = tl.load(s_ptrs, mask=is_f, other=0)
-    else:
-        words_f = tl.load(word_ptrs)
-        s_row_f = tl.load(s_ptrs)
-    s_bits = (s_row_f >> (8 * blk_f)).to(tl.int32)  # the block's byte in bits 0-7
-    if not HW:
-        s_bits = s_bits & 0xFF  # the asm reads only byte 0
-    w0 = words_f.to(tl.int32)  # low word: elements 0-7 (little endian)
-    w1 = (words_f >> 32).to(tl.int32)  # elements 8-15
-    o = nvfp4_block_f16(w0, w1, s_bits, ROUND, HW)
-    return tl.reshape(_join_tree16(o), (ROWS, C))
-
-
 # ------------------------------------------------------------ v6: scaled E2M1 halves in registers
-# The attention's v6 decode (its K and V tiles are dot operands decoded in registers). Four code bytes
-# per 32-bit register -> e4m3 bytes worth e2m1 * 2^-6 of their low (even) or high (odd) nibbles (the
-# identity of docs/FACTS.md, "Kernel facts", the masks of v3's block decode) -> two e4m3x2 -> f16x2
-# converts. Unary on purpose: Triton moves a dot operand's layout conversion up through elementwise
-# ops only (unary inline asm, arith, fp_to_fp, bitcast) to their loads, and a second asm input ended
-# that chain (compile report: every decoded tile was then staged in shared memory).
+# The indexer's and the attention's v6 decode (their K / V tiles are dot operands decoded in
+# registers). Four code bytes per 32-bit register w -> e4m3 bytes worth e2m1 * 2^-6 of their low
+# (even) or high (odd) nibbles (the identity of docs/FACTS.md, "Kernel facts": low nibbles
+# ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C), high ones (w & 0x80808080) | ((w >> 2) &
+# 0x1C1C1C1C)) -> two e4m3x2 -> f16x2 converts. Unary on purpose: Triton moves a dot operand's layout
+# conversion up through elementwise ops only (unary inline asm, arith, fp_to_fp, bitcast) to their
+# loads, and a second asm input ended that chain (compile report: every decoded tile was then staged
+# in shared memory).
 _E2M1_LO_F16X4 = tl.constexpr(
     "{ .reg .b32 t, u; .reg .b16 lo, hi;\n"
     " shl.b32 t, $2, 4; and.b32 t, t, 0x80808080; shl.b32 u, $2, 2; and.b32 u, u, 0x1C1C1C1C;\n"

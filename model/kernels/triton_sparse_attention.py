@@ -3,17 +3,17 @@
 Why: decode attention reads, per query token and KV group, only the indexer's selected pages, so it
 is bound by those bytes (NVFP4 pages move 1.78x fewer than FP8). One program takes the G query heads
 of a KV group (each K/V page read once for the group), dequantizes pages in registers and runs an
-online softmax in the exp2 domain; splits of the block list are merged by log-sum-exp. On the FP8
-path q, P and the pages meet in FP8-valued dots. NVFP4 pages of head dim 128 in packed 72-byte rows
-(what `PagedKV` stores) are decoded by coalesced word loads to fp16 tiles of e4m3 values (v5, the
-default), or, opt-in until timed, kept as code bytes decoded in registers into the dot operands
-(v6: keys on the MMA's M side for Q.K, no decoded tile staged in shared memory); other NVFP4
-shapes, or `variant="v2"`, take the byte-wise decode to e4m3. History: benchmarks/RESULTS.md.
+online softmax in the exp2 domain; splits of the block list are merged by log-sum-exp. NVFP4 pages
+of head dim 128 in packed 72-byte rows (what `PagedKV` stores) stay code bytes that are decoded in
+registers into the dot operands (v6: keys on the MMA's M side for Q.K, no decoded tile staged in
+shared memory; 1.47x the deleted v5 at B = 64, 128K on the H200). FP8 pages, other NVFP4 shapes
+and `variant="v2"` take the FP8 path: q, P and the pages (NVFP4 decoded byte-wise to e4m3) meet in
+FP8-valued dots. History: benchmarks/RESULTS.md.
 
-Invariants: semantics are `model.kernels.sparse_attention`'s; the FP8 path (v5 and v2 alike) equals
-`sparse_attention_ref` on FP8-emulated inputs (`fp8_emulated`) up to P's e4m3 rounding and fp32
-order, v6 equals it on the real inputs up to the same P rounding and fp32 order, the bf16 path up to
-bf16 rounding of q and P; a row with no visible key gets zeros.
+Invariants: semantics are `model.kernels.sparse_attention`'s; v6 equals `sparse_attention_ref` on
+the real inputs up to P's e4m3 rounding and fp32 order, the FP8 path equals it on FP8-emulated
+inputs (`fp8_emulated`) up to the same, the bf16 path up to bf16 rounding of q and P; a row with no
+visible key gets zeros.
 """
 
 from typing import Literal
@@ -25,12 +25,10 @@ import triton.language as tl
 from model import nvfp4
 from model.kernels.triton_common import (
     dot_bf16,
-    dot_f16,
     e2m1_half_scaled_f16,
     f32_to_bf16,
     f32_to_e4m3,
     load_nvfp4_tile_direct,
-    load_nvfp4_tile_f16_v5,
     num_sms,
     nvfp4_tile_to_fp8,
     opaque_to_compile,
@@ -44,11 +42,12 @@ from model.kv_cache import PagedKV
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-DecodeVariant = Literal["v6", "v5", "v2"]
-"""v6: NVFP4 pages of head dim 128 in packed rows as dot operands decoded in registers (opt-in, not
-yet timed); v5: the same pages decoded by coalesced word loads to fp16 tiles (`load_nvfp4_tile_f16_v5`,
-the default); v2: the byte-wise decode to e4m3, for every shape."""
-V5_HEAD_DIM = 128  # the word-wise decode reads packed 72-byte rows (8-byte aligned) of 128 values
+MERGE_COLUMNS = 32  # head-dim columns per `_merge_kernel` program
+DecodeVariant = Literal["v6", "v2"]
+"""v6 (the default): NVFP4 pages of head dim 128 in packed rows as dot operands decoded in registers,
+every other cache on the FP8 / bf16 path; v2: the byte-wise decode to e4m3 for every NVFP4 shape
+(the baseline the benchmarks compare with)."""
+V6_HEAD_DIM = 128  # v6 reads packed 72-byte rows (8-byte aligned) of 128 values
 LOG2E = 1.4426950408889634
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG_BIG - m) == 0, no NaN
 
@@ -85,7 +84,7 @@ def _load_tile(row_ptrs, is_row, C: tl.constexpr, ROWS: tl.constexpr, FMT: tl.co
 # the tiles. FP8 path: Q quantized per head row to e4m3 (scale amax / 448), FP8 score dot with fp32
 # accumulation, P cast to e4m3 for P.V, the row sum l from fp32 P. bf16 path (bf16 cache, or pages /
 # head dims too small for FP8 MMA): bf16 dots. SPLITS = 1 writes the output, otherwise (m, l, acc)
-# partials that `_merge_kernel` (grid (T, N)) combines: out = sum_s acc_s 2^(m_s - M) /
+# partials that `_merge_kernel` (grid (T, N, C / CB)) combines: out = sum_s acc_s 2^(m_s - M) /
 # sum_s l_s 2^(m_s - M) * v_scale. SPLITS makes T * N * SPLITS cover ~4 waves of SMs.
 @triton.jit
 def _slot_count(pos, slot0, BPS, n_slots, PAGE: tl.constexpr, DENSE: tl.constexpr):
@@ -121,7 +120,7 @@ def _sparse_attn_kernel(
     n_slots, BPS, SPLITS, n_work, tune_class,
     G: tl.constexpr, G_P2: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr,
     FMT: tl.constexpr, FP8_DOT: tl.constexpr, DENSE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HW: tl.constexpr, SUB: tl.constexpr, V5: tl.constexpr,
+    HW: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -145,16 +144,11 @@ def _sparse_attn_kernel(
     if FMT != 0:
         k_scale = tl.load(kscale_ptr).to(tl.float32)
         v_scale = tl.load(vscale_ptr).to(tl.float32)
-    # v5, NVFP4 pages: tiles decoded word-wise straight to fp16 holding the e4m3 values, dots in fp16
-    # on e4m3-valued operands (q, K, P, V): the FP8 path's numbers (every product exact, fp32 sums).
-    IS_F16: tl.constexpr = V5 and FMT == 2 and FP8_DOT
     if FP8_DOT:
         # Per-row e4m3 quantization: the row's amax maps to 448 (e4m3's largest finite value).
         amax_g = tl.maximum(tl.max(tl.abs(q_gc), axis=1), 1e-30)
         q_mul_g = tl.math.div_rn(tl.full(amax_g.shape, 448.0, tl.float32), amax_g)
         q_op = f32_to_e4m3(tl.minimum(tl.maximum(q_gc * q_mul_g[:, None], -448.0), 448.0), HW)
-        if IS_F16:
-            q_op = q_op.to(tl.float16)  # exact
         factor_g = tl.math.div_rn(amax_g, tl.full(amax_g.shape, 448.0, tl.float32)) * (
             k_scale * sm_scale_log2
         )
@@ -171,45 +165,35 @@ def _sparse_attn_kernel(
     for i in range(0, n_iter * NSUB):
         slot = i // NSUB
         sub0 = (i % NSUB) * SUB
-        blk, page, is_key = _slot_page(sel_row, slot0 + slot, bt_row, pos, offs_s, sub0, PAGE, DENSE)
+        _, page, is_key = _slot_page(sel_row, slot0 + slot, bt_row, pos, offs_s, sub0, PAGE, DENSE)
         k_page = k_base + page * stride_kp
         row_off = (sub0 + offs_s) * stride_ks
         k_rows = k_page + row_off
-        # Rows r < n_valid of the sub-tile hold keys (v5's scalar bound: no per-row mask tensor).
-        n_valid = tl.where(blk >= 0, pos - blk * PAGE - sub0 + 1, 0)
-        if IS_F16:  # unmasked: rows past pos (finite or not) are dropped by the where below
-            k_sc = load_nvfp4_tile_f16_v5(k_page + sub0 * stride_ks, n_valid, C, SUB, True, False, HW)
-            s_gs = dot_f16(q_op, tl.trans(k_sc), HW)
-        elif FP8_DOT:
-            k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
+        k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
+        if FP8_DOT:
             s_gs = tl.dot(q_op, tl.trans(k_sc))
         else:
-            k_sc = _load_tile(k_rows, is_key, C, SUB, FMT, FP8_DOT, HW)
             s_gs = dot_bf16(q_op, tl.trans(k_sc), HW)
         s_gs = tl.where(is_key[None, :], s_gs * factor_g[:, None], float("-inf"))
         m_new = tl.maximum(m_g, tl.max(s_gs, axis=1))
         alpha = tl.math.exp2(m_g - m_new)
         p_gs = tl.math.exp2(s_gs - m_new[:, None])
         l_g = l_g * alpha + tl.sum(p_gs, axis=1)
-        if IS_F16:  # masked: P is 0 there, and a garbage scale byte could decode to NaN
-            v_sc = load_nvfp4_tile_f16_v5(
-                k_page + stride_kh + sub0 * stride_ks, n_valid, C, SUB, True, True, HW
-            )
-            pv_gc = dot_f16(f32_to_e4m3(p_gs, HW).to(tl.float16), v_sc, HW)
-        elif FP8_DOT:
-            v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
+        v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
+        if FP8_DOT:
             pv_gc = tl.dot(f32_to_e4m3(p_gs, HW), v_sc)
         else:
-            v_sc = _load_tile(k_rows + stride_kh, is_key, C, SUB, FMT, FP8_DOT, HW)
             pv_gc = dot_bf16(f32_to_bf16(p_gs, HW), v_sc, HW)
         acc_gc = acc_gc * alpha[:, None] + pv_gc
         m_g = m_new
 
     if IS_SPLIT:
         row = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + pid_s
-        tl.store(part_ptr + (row * G_P2 + offs_g[:, None]) * C + offs_c[None, :], acc_gc)
-        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g)
-        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g)
+        # Padded heads (>= G) are not written: `_merge_kernel` never reads them.
+        part_gc = part_ptr + (row * G_P2 + offs_g[:, None]) * C + offs_c[None, :]
+        tl.store(part_gc, acc_gc, mask=is_head[:, None])
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g, mask=is_head)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g, mask=is_head)
     else:
         out_gc = tl.where(l_g[:, None] > 0, acc_gc / tl.maximum(l_g, 1e-30)[:, None], 0.0) * v_scale
         o_ptrs = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + offs_c[None, :]
@@ -223,7 +207,7 @@ _sparse_attn_tuned = triton.autotune(
         triton.Config({"SUB": sub}, num_warps=w, num_stages=st)
         for sub, w, st in [(128, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3)]
     ],
-    key=["tune_class", "FMT", "FP8_DOT", "V5"],
+    key=["tune_class", "FMT", "FP8_DOT"],
     do_bench=safe_do_bench,
 )(_sparse_attn_kernel)
 
@@ -231,7 +215,7 @@ _sparse_attn_tuned = triton.autotune(
 # `_sparse_attn_v6_kernel` (NVFP4 pages, C = 128, packed 72-byte rows), grid, walk, online softmax and
 # split partials as `_sparse_attn_kernel`; K and V reach the tensor cores as dot operands decoded in
 # registers from their code bytes (`e2m1_half_scaled_f16`), never as decoded tiles staged in shared
-# memory (v5's bound: L1/TEX 79% busy on those stores and LDSM reads, DRAM 16%; RESULTS.md, session 5).
+# memory (the deleted v5's bound: L1/TEX 79% busy on those stores and LDSM reads, DRAM 16%; RESULTS.md).
 # Byte j of a row holds values 2j (low nibble) and 2j + 1 (high), block j // 8, so each side is two
 # [SUB, C/2] halves, even and odd, and no register interleave is ever needed.
 # - S^T = K Q^T, keys on the MMA's M side: the decoded K halves are the A operand (registers, as the
@@ -253,10 +237,10 @@ _sparse_attn_tuned = triton.autotune(
 #   step, the one staged floating-point tile (v5 stages two decoded [SUB, C] tiles plus P).
 # - the per-head statistics (alpha: [G_P2] from the wgmma to the mma.sync layout), a few bytes.
 # Numerics: the decoded K and V equal `nvfp4.kv_dequantize`'s e2m1 * block scale exactly (fp16, see
-# `e2m1_half_scaled_f16`; no e4m3 rounding or 448 saturation as in v5), the query is the bf16 row
-# exactly (fp16 after a power-of-two prescale per head, `pow2_row_scale`; fp32 queries round to
-# fp16), every product exact in the fp32 accumulators. P is rounded to e4m3 and back to fp16 as v5
-# does (the row sum l from fp32 P). So v6 equals `sparse_attention_ref` up to P's e4m3 rounding,
+# `e2m1_half_scaled_f16`; no e4m3 rounding or 448 saturation as on the FP8 path), the query is the
+# bf16 row exactly (fp16 after a power-of-two prescale per head, `pow2_row_scale`; fp32 queries round
+# to fp16), every product exact in the fp32 accumulators. P is rounded to e4m3 and back to fp16 as on
+# the FP8 path (the row sum l from fp32 P). So v6 equals `sparse_attention_ref` up to P's e4m3 rounding,
 # fp32 order and the output's rounding to q's dtype.
 @triton.jit
 def _sparse_attn_v6_kernel(
@@ -322,7 +306,7 @@ def _sparse_attn_v6_kernel(
         alpha = tl.math.exp2(m_g - m_new)
         p_sg = tl.math.exp2(s_sg - m_new[None, :])
         l_g = l_g * alpha + tl.sum(p_sg, axis=0)
-        p_gs = tl.trans(f32_to_e4m3(p_sg, HW).to(tl.float16))  # v5's rounding of P (exact to fp16)
+        p_gs = tl.trans(f32_to_e4m3(p_sg, HW).to(tl.float16))  # the FP8 path's rounding of P (exact to fp16)
         # V's scales masked: P is 0 on rows that are not keys, but a garbage scale byte there could
         # decode to NaN (0 x NaN = NaN); a zero scale gives zeros whatever the codes.
         v_rows = k_rows + stride_kh
@@ -337,10 +321,10 @@ def _sparse_attn_v6_kernel(
     if IS_SPLIT:
         row = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + pid_s
         part_gj = part_ptr + (row * G_P2 + offs_g[:, None]) * C + 2 * offs_j[None, :]
-        tl.store(part_gj, acc_e)
-        tl.store(part_gj + 1, acc_o)
-        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g)
-        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g)
+        tl.store(part_gj, acc_e, mask=is_head[:, None])  # padded heads: never read by the merge
+        tl.store(part_gj + 1, acc_o, mask=is_head[:, None])
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2, m_g, mask=is_head)
+        tl.store(ml_ptr + (row * G_P2 + offs_g) * 2 + 1, l_g, mask=is_head)
     else:
         inv_l = tl.where(l_g > 0, v_scale / tl.maximum(l_g, 1e-30), 0.0)
         o_gj = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + 2 * offs_j[None, :]
@@ -360,34 +344,39 @@ _sparse_attn_v6_tuned = triton.autotune(
 )(_sparse_attn_v6_kernel)
 
 
+# `_merge_kernel`, grid (T, N, C / CB): one CB-column slice of a KV group's G heads per program, so
+# a batch-64 merge is 4x as many programs as one per group (it was latency-bound at 256 programs:
+# 16 us for 6 MB, ncu, RESULTS.md 2026-12-02), and the G_P2 - G padded heads are never read.
 @triton.jit
 def _merge_kernel(
     part_ptr, ml_ptr, vscale_ptr, out_ptr, stride_ot, stride_oh,
     SPLITS: tl.constexpr, S_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-    C: tl.constexpr, FMT: tl.constexpr,
+    C: tl.constexpr, CB: tl.constexpr, FMT: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_p = tl.arange(0, S_P2)
     offs_g = tl.arange(0, G_P2)
-    offs_c = tl.arange(0, C)
+    offs_c = tl.program_id(2) * CB + tl.arange(0, CB)
     is_split = offs_p < SPLITS
+    is_head = offs_g < G
+    is_pg = is_split[:, None] & is_head[None, :]
     row_p = (pid_t * tl.num_programs(1) + pid_n) * SPLITS + offs_p
     ml = ml_ptr + (row_p[:, None] * G_P2 + offs_g[None, :]) * 2
-    m_pg = tl.load(ml, mask=is_split[:, None], other=NEG_BIG)
-    l_pg = tl.load(ml + 1, mask=is_split[:, None], other=0.0)
+    m_pg = tl.load(ml, mask=is_pg, other=NEG_BIG)
+    l_pg = tl.load(ml + 1, mask=is_pg, other=0.0)
     m_g = tl.max(m_pg, axis=0)
     w_pg = tl.math.exp2(m_pg - m_g[None, :])
     l_g = tl.sum(l_pg * w_pg, axis=0)
     acc_ptrs = part_ptr + ((row_p[:, None, None] * G_P2 + offs_g[None, :, None]) * C + offs_c[None, None, :])
-    acc_pgc = tl.load(acc_ptrs, mask=is_split[:, None, None], other=0.0)
+    acc_pgc = tl.load(acc_ptrs, mask=is_pg[:, :, None], other=0.0)
     acc_gc = tl.sum(acc_pgc * w_pg[:, :, None], axis=0)
     v_scale = 1.0
     if FMT != 0:
         v_scale = tl.load(vscale_ptr).to(tl.float32)
     out_gc = tl.where(l_g[:, None] > 0, acc_gc / tl.maximum(l_g, 1e-30)[:, None], 0.0) * v_scale
     o_ptrs = out_ptr + pid_t * stride_ot + (pid_n * G + offs_g[:, None]) * stride_oh + offs_c[None, :]
-    tl.store(o_ptrs, out_gc.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+    tl.store(o_ptrs, out_gc.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
 
 
 def plan_splits(n_work: int, n_slots: int, device: torch.device) -> tuple[int, int]:
@@ -408,13 +397,12 @@ def sparse_attention_triton(
     q_THC: torch.Tensor, kv_cache: PagedKV, block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor,
     positions_T: torch.Tensor, selected_TNK: torch.Tensor | None, *, softmax_scale: float,
     force_bf16_dot: bool = False, out_THC: torch.Tensor | None = None, sub_tile: int | None = None,
-    variant: DecodeVariant = "v5",
+    variant: DecodeVariant = "v6",
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] in q's dtype (written into `out_THC` if given); see the module notes. No host syncs.
-    `variant`: "v5" decodes NVFP4 pages of head dim 128 in packed 8-byte-aligned rows by coalesced
-    word loads to fp16 for the FP8-numerics path (other NVFP4 shapes: the byte-wise decode); "v6"
-    runs `_sparse_attn_v6_kernel` on those same pages (anything else as v5); "v2" the byte-wise
-    decode to e4m3 for every shape (the baseline tests and benchmarks compare with)."""
+    `variant`: "v6" runs `_sparse_attn_v6_kernel` on NVFP4 pages of head dim 128 in packed 8-byte
+    aligned rows (FP8 dots possible) and `_sparse_attn_kernel` on everything else; "v2" the byte-wise
+    decode to e4m3 for every NVFP4 shape (the baseline the benchmarks compare with)."""
     if variant not in DecodeVariant.__args__:
         raise ValueError(
             f"sparse attention: variant must be one of {DecodeVariant.__args__}, got {variant!r}"
@@ -433,9 +421,8 @@ def sparse_attention_triton(
     g_p2 = max(16, triton.next_power_of_2(G))
     fp8_dot = uses_fp8_dot(kv_cache.dtype, C, page) and not force_bf16_dot
     fmt = _FMT[kv_cache.dtype]
-    is_packed = C == V5_HEAD_DIM and pages.stride(2) == C // 2 + C // 16 and pages.data_ptr() % 8 == 0
-    is_v5 = variant != "v2" and fmt == FMT_NVFP4 and fp8_dot and is_packed  # 8-byte scale loads
-    is_v6 = is_v5 and variant == "v6"
+    is_packed = C == V6_HEAD_DIM and pages.stride(2) == C // 2 + C // 16 and pages.data_ptr() % 8 == 0
+    is_v6 = variant == "v6" and fmt == FMT_NVFP4 and fp8_dot and is_packed
     if splits > 1:
         part = torch.empty((T * N * splits * g_p2 * C,), dtype=torch.float32, device=q_THC.device)
         ml = torch.empty((T * N * splits * g_p2 * 2,), dtype=torch.float32, device=q_THC.device)
@@ -471,12 +458,13 @@ def sparse_attention_triton(
             out_THC, out_THC.stride(0), out_THC.stride(1), part, ml,
             n_slots, bps, splits, T * N, tune_class(n_slots, T * N),
             G=G, G_P2=g_p2, C=C, PAGE=page, FMT=fmt, FP8_DOT=fp8_dot, DENSE=is_dense,
-            IS_SPLIT=splits > 1, HW=use_hw_casts(), V5=is_v5, **sub_kw,
+            IS_SPLIT=splits > 1, HW=use_hw_casts(), **sub_kw,
         )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(T, N)](
+        cb = min(C, MERGE_COLUMNS)
+        _merge_kernel[(T, N, C // cb)](
             part, ml, kv_cache.v_scale, out_THC, out_THC.stride(0), out_THC.stride(1),
-            SPLITS=splits, S_P2=triton.next_power_of_2(splits), G=G, G_P2=g_p2, C=C, FMT=fmt,
+            SPLITS=splits, S_P2=triton.next_power_of_2(splits), G=G, G_P2=g_p2, C=C, CB=cb, FMT=fmt,
         )  # fmt: skip
     return out_THC
 
@@ -511,36 +499,23 @@ def fp8_emulated(q_THC: torch.Tensor, kv_cache: PagedKV) -> tuple[torch.Tensor, 
 
 
 @triton.jit
-def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr,
-                         V5: tl.constexpr):  # fmt: skip
+def _nvfp4_to_fp8_kernel(buf_ptr, out_ptr, n_rows, C: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     is_row = offs_r < n_rows
-    row_off = offs_r.to(tl.int64) * (C // 2 + C // 16)
-    row_ptrs = buf_ptr + row_off
-    if V5:  # fp16 tile of e4m3 values (the cast back is exact); rows past n_rows masked by a scalar bound
-        tile = load_nvfp4_tile_f16_v5(buf_ptr + tl.program_id(0).to(tl.int64) * ROWS * (C // 2 + C // 16),
-                                      n_rows - tl.program_id(0) * ROWS, C, ROWS, True, True, HW)  # fmt: skip
-        fp8_rc = f32_to_e4m3(tile.to(tl.float32), HW)
-    else:
-        fp8_rc = nvfp4_tile_to_fp8(row_ptrs, is_row, C, ROWS, HW)
+    row_ptrs = buf_ptr + offs_r.to(tl.int64) * (C // 2 + C // 16)
+    fp8_rc = nvfp4_tile_to_fp8(row_ptrs, is_row, C, ROWS, HW)
     offs_c = tl.arange(0, C)
     out_ptrs = out_ptr + offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
     tl.store(out_ptrs, fp8_rc.to(tl.uint8, bitcast=True), mask=is_row[:, None])
 
 
 @opaque_to_compile
-def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor, variant: DecodeVariant = "v2") -> torch.Tensor:
-    """The attention kernel's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C]
-    (the bits `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel dequant bit for bit).
-    variant "v2": the byte-wise decode; "v5" (head dim 128, packed rows) the word-wise one (v6 rounds
-    nothing to e4m3, so it has no such dequantizer)."""
-    if variant not in ("v5", "v2"):
-        raise ValueError(f"nvfp4 rows to fp8: variant must be one of ('v5', 'v2'), got {variant!r}")
+def nvfp4_rows_to_fp8_triton(buf_RX: torch.Tensor) -> torch.Tensor:
+    """The FP8 path's page dequantizer on its own: NVFP4 rows [R, X] -> float8_e4m3fn [R, C] (the bits
+    `nvfp4.kv_dequantize_fp8` gives; used to test the in-kernel byte-wise decode bit for bit). v6
+    rounds nothing to e4m3, so it has no such dequantizer."""
     R, X = buf_RX.shape
     C = X * 16 // 9
-    if variant == "v5" and (C != V5_HEAD_DIM or buf_RX.data_ptr() % 8 or buf_RX.stride(0) != X):
-        raise ValueError(f"the v5 decode reads packed 8-byte aligned 128-value rows, got C={C}")
     out = torch.empty((R, C), dtype=torch.uint8, device=buf_RX.device)
-    _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts(),
-                                                V5=variant == "v5")  # fmt: skip
+    _nvfp4_to_fp8_kernel[(triton.cdiv(R, 16),)](buf_RX, out, R, C=C, ROWS=16, HW=use_hw_casts())
     return out.view(torch.float8_e4m3fn)
