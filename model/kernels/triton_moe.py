@@ -3,10 +3,11 @@
 Why: at decode nearly every routed expert is touched, so a layer streams every expert's weights once
 per step; NVFP4 moves 3.56x fewer bytes than bf16 if the weights are decoded in registers and never
 written back (the torch path dequantizes to bf16 in memory first). Token-slots are grouped by expert
-on device (`_group_by_expert`) into BM-row blocks, one [BM, BN] tile per program, bf16 tensor-core
-dots. Also the one-matrix LINEAR path (`nvfp4_linear_triton`, the shared expert `nvfp4_mlp_triton`)
-above the <= 4-row GEMV of `model.kernels.triton_gemv`; decode-sized routed batches take the FMA
-kernel of `model.kernels.triton_moe_gemv` (`variant="v6"`, the default).
+on device in one launch (`_group_by_expert`: `_group_kernel`) into BM-row blocks, one [BM, BN] tile
+per program, bf16 tensor-core dots. Also the one-matrix LINEAR path (`nvfp4_linear_triton`, the
+shared expert `nvfp4_mlp_triton`) above the <= 4-row GEMV of `model.kernels.triton_gemv`;
+decode-sized routed batches take the FMA kernel of `model.kernels.triton_moe_gemv` (`variant="v6"`,
+the default).
 
 Invariants: no host sync; the weights multiplied are exactly bf16(e2m1 * (float(s) * scale_2)), as
 `nvfp4_linear` / `ExpertBank.dequantized` (both decodes; no lookup table); fp32 accumulation; the
@@ -247,11 +248,85 @@ _nvfp4_moe_tuned = triton.autotune(
 )(_nvfp4_moe_kernel)
 
 
+GROUP_MAX_SLOTS = 4096  # slots the one-program grouping kernel sorts (more: the torch twin)
+
+
+@triton.jit
+def _max_i32(a, b):
+    return tl.maximum(a, b)
+
+
+# `_group_kernel`, grid (1,): `group_by_expert_torch`'s result in one launch (the torch twin is ~30
+# kernels per MoE layer, a third of a compiled decode step's launches at `small`). The S slots, keyed
+# expert * S_P2 + slot, are sorted (bitonic, in registers: the stable order); a slot's rank in its
+# expert's group is its sorted position p minus the group's first position (a running max of group
+# starts); padding rows before p are the summed (RB - count % RB) % RB of the groups ending before p,
+# so its row is dest = p + that. Neighbours in sorted order are read back through `scratch` (a
+# register tensor cannot be shifted), hence the barriers; `rows` / `block_expert` are filled with -1
+# first, then each slot writes its row and each group block's first slot writes its expert.
+@triton.jit
+def _group_kernel(ids_ptr, scratch_ptr, rows_ptr, block_expert_ptr, S, n_rows, n_blocks, E,
+                  S_P2: tl.constexpr, RB: tl.constexpr, FILL: tl.constexpr):  # fmt: skip
+    offs = tl.arange(0, S_P2)
+    valid = offs < S
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    ids = tl.where(valid, ids, E)  # padding sorts last, in an expert of its own
+    key = tl.sort(ids * S_P2 + offs)
+    e_s = key // S_P2
+    slot_s = key % S_P2
+    tl.store(scratch_ptr + offs, e_s)
+    tl.debug_barrier()
+    prev = tl.load(scratch_ptr + offs - 1, mask=offs > 0, other=-1)
+    nxt = tl.load(scratch_ptr + offs + 1, mask=offs < S_P2 - 1, other=-1)
+    start = tl.associative_scan(tl.where(e_s != prev, offs, 0), 0, _max_i32)
+    rank = offs - start
+    is_real = e_s < E
+    pad_end = tl.where(is_real & (e_s != nxt), (RB - (rank + 1) % RB) % RB, 0)
+    dest = offs + tl.cumsum(pad_end, 0) - pad_end
+    for i in range(0, n_rows, FILL):
+        f = i + tl.arange(0, FILL)
+        tl.store(rows_ptr + f, tl.full((FILL,), -1, tl.int32), mask=f < n_rows)
+    for i in range(0, n_blocks, FILL):
+        f = i + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + f, tl.full((FILL,), -1, tl.int32), mask=f < n_blocks)
+    tl.debug_barrier()
+    tl.store(rows_ptr + dest, slot_s, mask=is_real)
+    tl.store(block_expert_ptr + dest // RB, e_s, mask=is_real & (rank % RB == 0))
+
+
 def _group_by_expert(
     ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [MB * block_rows] int32 slot or -1, block_expert [MB] int32 expert or -1), on device, no
-    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`)."""
+    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`). On CUDA
+    up to GROUP_MAX_SLOTS slots: `_group_kernel` (one launch, equal to the torch twin)."""
+    S = ids_S.numel()
+    if ids_S.device.type != "cuda" or not 0 < S <= GROUP_MAX_SLOTS:
+        return group_by_expert_torch(ids_S, n_experts, block_rows=block_rows)
+    return group_by_expert_triton(ids_S, n_experts, block_rows=block_rows)
+
+
+def group_by_expert_triton(
+    ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_group_kernel` on any device Triton runs on (the interpreter in tests)."""
+    S = ids_S.numel()
+    if not 0 < S <= GROUP_MAX_SLOTS:
+        raise ValueError(f"group_by_expert_triton: 1 to {GROUP_MAX_SLOTS} slots, got {S}")
+    n_blocks = S // block_rows + min(S, n_experts)
+    s_p2 = triton.next_power_of_2(S)
+    rows = torch.empty(n_blocks * block_rows, dtype=torch.int32, device=ids_S.device)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=ids_S.device)
+    scratch = torch.empty(s_p2, dtype=torch.int32, device=ids_S.device)
+    _group_kernel[(1,)](ids_S.contiguous(), scratch, rows, block_expert, S, rows.numel(), n_blocks, n_experts,
+                        S_P2=s_p2, RB=block_rows, FILL=1024, num_warps=4 if s_p2 <= 1024 else 8)  # fmt: skip
+    return rows, block_expert
+
+
+def group_by_expert_torch(
+    ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouping in torch ops (CPU, and CUDA beyond GROUP_MAX_SLOTS): `_group_by_expert`'s spec."""
     S = ids_S.numel()
     n_blocks = S // block_rows + min(S, n_experts)
     ids_S = ids_S.long()

@@ -37,6 +37,7 @@ GROUPS = {
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
     "moe": [
+        "moe_grouping_kernel_equals_torch",
         "moe_matches_reference",
         "moe_large_groups_match_reference",
         "linear_and_shared_expert_match",
@@ -425,6 +426,29 @@ def attention_v6_nvfp4_matches_reference(device):
 
 
 # ------------------------------------------------------------------------------------------ moe
+def moe_grouping_kernel_equals_torch(device):
+    """`_group_kernel` (one launch) gives exactly `group_by_expert_torch`'s rows and block experts:
+    one slot, every slot on one expert, random routings with empty and overfull experts, group sizes
+    that are and are not multiples of the block, both block sizes (16, the GEMV path's 4), and the
+    largest slot count it takes."""
+    from model.kernels.triton_moe import GROUP_MAX_SLOTS, group_by_expert_torch, group_by_expert_triton
+
+    gen = torch.Generator().manual_seed(21)
+    cases = [(1, 8), (37, 1), (64, 128), (512, 16), (300, 7)]
+    if device == "cuda":
+        cases.append((GROUP_MAX_SLOTS, 256))
+    for S, E in cases:
+        for ids in (torch.randint(0, E, (S,), generator=gen), torch.full((S,), E - 1)):
+            for rb in (16, 4):
+                want = group_by_expert_torch(ids, E, block_rows=rb)
+                got = group_by_expert_triton(ids.to(device), E, block_rows=rb)
+                for name, w, g in zip(("rows", "block_expert"), want, got, strict=True):
+                    if not torch.equal(w, g.cpu()):
+                        bad = int((w != g.cpu()).sum())
+                        return False, f"S={S} E={E} block={rb}: {name} differs in {bad} of {w.numel()}"
+    return True, ""
+
+
 def _bank(E, D, F, seed, device):
     from model.layers.moe import ExpertBank
 
