@@ -356,7 +356,7 @@ def indexer_cases() -> list[Case]:
     ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
                 out_ptr="fp32")  # fmt: skip
     consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
-    for sub, w, st in ix.V6_CONFIGS:
+    for sub, w, st, _ in ix.V6_CONFIGS:  # register caps are not modelled here
         out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},
                         ptrs, num_warps=w, num_stages=st, elems=128 * 128 // (32 * w),
                         tile_bytes=128 * 72))  # fmt: skip
@@ -389,7 +389,7 @@ def attention_cases() -> list[Case]:
                 kscale_ptr="fp32", vscale_ptr="fp32", out_ptr="bf16", part_ptr="fp32",
                 ml_ptr="fp32")  # fmt: skip
     consts = dict(G=16, G_P2=16, C=128, PAGE=128, DENSE=False, IS_SPLIT=True, HW=True)
-    for sub, w, st in sa.V6_CONFIGS:
+    for sub, w, st, _ in sa.V6_CONFIGS:  # register caps are not modelled here
         out.append(Case(f"attention nvfp4 v6 SUB={sub}", sa._sparse_attn_v6_kernel, {**consts, "SUB": sub},
                         ptrs, floats={"sm_scale_log2"}, num_warps=w, num_stages=st,
                         elems=2 * sub * 128 // (32 * w), tile_bytes=2 * sub * 72))  # fmt: skip
