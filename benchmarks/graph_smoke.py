@@ -1,10 +1,14 @@
 """CUDA-graph smoke test of the native engine's static decode pass, one bucket at a time (GPU only).
 
 Why: one H200 call should say whether every bucket captures and, if not, which op broke it. Per bucket:
-1. the padded pass runs eagerly once (Triton autotuning, per-stream scratch), then once more under
-   `torch.cuda.set_sync_debug_mode("error")`: any host sync raises at its op (named below);
+1. the padded pass (forward and in-pass sampling, `ModelRunner.static_step`) runs eagerly once (Triton
+   autotuning, per-stream scratch), then once more under `torch.cuda.set_sync_debug_mode("error")`: any
+   host sync raises at its op (named below);
 2. the pass is captured on its own pool (a failure prints the innermost project frame of the error);
-3. the replay is compared with the eager padded pass (max |logits difference|, expected 0).
+3. the replay is compared with the eager padded pass (max |logits difference| and whether the sampled
+   tokens and log-probs are equal; expected 0 and True). Every row is a padded row (token 0 at position 0
+   of the scratch page: every row writes the same value to the same slot), sampled at temperature 1 with
+   its own draw key, so the sampling noise runs too.
 Variants: `--preset small --dtype bf16 --kv-dtype nvfp4` (the served path, Triton kernels), `--preset tiny
 --dtype fp32 --kv-dtype fp32` (the exact torch paths), `--lora` (adapters on the attention projections,
 `--lora-experts` also on the routed experts).
@@ -88,37 +92,42 @@ def main() -> None:
           flush=True)  # fmt: skip
     results = []
     with torch.inference_mode():  # the static buffers are inference tensors (built inside engine.step)
-        runner._fill_static([], [], [], [], [], [], [], [])  # every row padded: only scratch is written
+        runner._fill_static()  # every row padded: only scratch is written
+        v = runner._static_views
+        v["temperature"].fill_(1.0)  # sampled rows, not greedy: the noise kernel runs in the graph
+        v["keys"].copy_(torch.arange(v["keys"].numel(), device=device) * 7919 + 1)
         for bs in reversed(runner.buckets):
-            row = {"bs": bs, "sync": "ok", "capture": "ok", "replay_max_diff": None}
-            eager_BV = None
+            row = {"bs": bs, "sync": "ok", "capture": "ok", "replay_max_diff": None, "same_samples": None}
+            eager = None
             try:
-                runner.static_forward(bs)  # warm-up: autotuning and first-use allocations may sync
+                runner.static_step(bs)  # warm-up: autotuning and first-use allocations may sync
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    eager_BV = runner.static_forward(bs).clone()
+                    eager = [t.clone() for t in runner.static_step(bs)]
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             except Exception as exc:
                 row["sync"] = f"{first_line(exc)} at {project_frame(exc)}"
             try:
                 runner.capture_bucket(bs)
-                graph, out_BV = runner._graphs[bs]
+                graph, outs = runner._graphs[bs]
                 graph.replay()
                 torch.cuda.synchronize()
-                if eager_BV is None:
-                    eager_BV = runner.static_forward(bs)
-                row["replay_max_diff"] = float((out_BV - eager_BV).abs().max())
+                if eager is None:
+                    eager = runner.static_step(bs)
+                row["replay_max_diff"] = float((outs[0] - eager[0]).abs().max())
+                row["same_samples"] = bool(torch.equal(outs[1], eager[1]) and torch.equal(outs[2], eager[2]))
             except Exception as exc:
                 row["capture"] = f"{first_line(exc)} at {project_frame(exc)}"
                 runner._graphs.pop(bs, None)
             results.append(row)
             print(row, flush=True)
-    print("\n| bucket | host-sync check | capture | replay max diff |\n|---|---|---|---|")
+    print("\n| bucket | host-sync check | capture | replay max diff | same samples |\n|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['bs']} | {r['sync']} | {r['capture']} | {r['replay_max_diff']} |")
-    bad = [r for r in results if r["sync"] != "ok" or r["capture"] != "ok" or r["replay_max_diff"] != 0.0]
+        print(f"| {r['bs']} | {r['sync']} | {r['capture']} | {r['replay_max_diff']} | {r['same_samples']} |")
+    bad = [r for r in results if r["sync"] != "ok" or r["capture"] != "ok" or r["replay_max_diff"] != 0.0
+           or not r["same_samples"]]  # fmt: skip
     print(f"\n{len(results) - len(bad)} of {len(results)} buckets capture-safe and replay-exact")
 
 

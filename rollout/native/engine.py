@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 # scheduler.py) picks this step's chunks (prefill chunks of new or preempted sequences and one token
 # per decoding sequence, under `max_batch_tokens`), `_plan` turns them into host lists, the runner
 # (rollout/native/runner.py) copies those to its persistent device buffers in one copy and runs one
-# `forward_cached` (all-decode steps padded to a bucket and, on CUDA, replayed as a captured graph:
-# `cuda_graphs`, `static_decode`), then one token is sampled for every sequence whose chunk reached
-# its end (rollout/native/sampler.py) and finished sequences retire. `generate` = add, step until done.
+# `forward_cached` (all-decode steps padded to a bucket and, on CUDA, replayed as a captured graph
+# that samples too: `cuda_graphs`, `static_decode`), then one token is sampled for every sequence
+# whose chunk reached its end (rollout/native/sampler.py) and finished sequences retire. `generate` =
+# add, step until done.
 #
 # Numerics: the engine adds nothing to the model's numbers: with an fp32 model and an fp32 cache
 # its log-probs equal `model.token_logprobs` of the same tokens, with an NVFP4 cache they equal
@@ -159,7 +160,7 @@ class NativeEngine:
         self.vision_config = vision.config if vision is not None else None
         self.images = ImageFeatureCache(vision, image_cache_rows) if vision is not None else None
         banned = getattr(model, "vision_token_ids", ())
-        self._banned_ids = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
+        banned_ids = torch.tensor(banned, dtype=torch.long, device=self.device) if banned else None
         if vision is not None and drafter is not None:
             raise ValueError(
                 "DSpark speculation does not support vision models yet (the drafter's target pass takes "
@@ -183,7 +184,7 @@ class NativeEngine:
         scratch = max_pages if use_static else None  # the page past the scheduler's
         self.runner = ModelRunner(model, self.cache, max_num_seqs, static_decode=use_static,
                                   cuda_graphs=use_graphs, scratch_page=scratch,
-                                  compile_decode=compile_decode)  # fmt: skip
+                                  compile_decode=compile_decode, banned_ids=banned_ids)  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, on_token: TokenCallback | None = None, park: bool = False) -> str:
@@ -341,7 +342,7 @@ class NativeEngine:
             self.cache.copy_pages(src, dst)
             if self.proposer is not None:
                 self.proposer.cache.copy_pages(src, dst)
-        finished = self._sample_and_update(logits_RV, views, sampled) if sampled else []
+        finished = self._sample_and_update(logits_RV, views, inputs, sampled) if sampled else []
         if spec_chunks:
             finished += self._verify_and_update(logits_RV, views, draft, [ch.seq for ch in spec_chunks],
                                                 num_verify)  # fmt: skip
@@ -405,7 +406,7 @@ class NativeEngine:
         params = [s.group.request.params for s in seqs]
         inputs = StepInputs(
             ids, pos, seq_idx, tables, lens, sample_rows + [r for rows in spec_rows for r in rows],
-            sample_src=sample_src, temperature=[p.temperature for p in params],
+            sample_src=sample_src, rngs=[s.rng for s in seqs], temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params], top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
             image_features_NE=torch.cat(feature_parts) if feature_parts else None,
         )  # fmt: skip
@@ -519,10 +520,9 @@ class NativeEngine:
         return finished
 
     # ------------------------------------------------------------------ sampling
-    def _sample_and_update(
-        self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], seqs: list[Sequence]
-    ) -> list[Completion]:
-        tokens_B, logprobs_B = self.runner.sample(logits_RV, views, [s.rng for s in seqs], self._banned_ids)
+    def _sample_and_update(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], inputs: StepInputs,
+                           seqs: list[Sequence]) -> list[Completion]:  # fmt: skip
+        tokens_B, logprobs_B = self.runner.sample(logits_RV, views, inputs)
         # SYNC: the scheduler needs the ids (ids and log-probs in one copy; int64 ids < 2^53 are exact).
         tokens, logprobs = torch.stack([tokens_B.double(), logprobs_B.double()]).tolist()
         now = time.perf_counter()

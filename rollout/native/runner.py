@@ -7,7 +7,11 @@ buffer and moves it with ONE copy into a persistent device buffer; the step's te
 rollout/native/sampler.py. All-decode steps may run "static": padded to a batch bucket on fixed-address
 buffers (the path CUDA graphs capture and replay; on CPU the same code runs eagerly). Padded rows take
 token 0 at position 0 of a reserved scratch page (length 1): they write and read only that page, and
-only the first bs logits rows are read back. Sampling stays outside the graph (per-row generators).
+only the first bs rows are read back. The static pass samples too (`sampler.sample_with_keys`, banned
+ids applied, no truncation): `prepare` draws each row's key from its `CounterRNG` into the staged
+buffers, so a graph-replayed decode step is one copy in, one replay, one copy of tokens and log-probs
+out. Steps with a top-k / top-p / min-p row re-sample the pass's logits eagerly with the same keys (the
+in-pass draw is discarded). Every path draws one key per sampled row and step, so seeds reproduce.
 Legend: T tokens, B sequences, P block-table width, R logits rows, V vocab, W captured table width.
 """
 
@@ -21,6 +25,7 @@ import torch
 
 from model.kv_cache import KVCache, static_shapes
 from rollout.native import sampler
+from rollout.native.sampler import CounterRNG
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,7 @@ MIN_TABLE_WIDTH = 8  # pages: short sequences share one capture instead of re-ca
 _ALIGN = 8  # bytes: every packed field starts 8-byte aligned so any dtype view is legal
 _NP = {torch.int64: np.int64, torch.float32: np.float32}
 _ITEMSIZE = {torch.int64: 8, torch.float32: 4}
+_TRUNCATION = ("top_k_B", "top_p_B", "min_p_B")
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -49,6 +55,7 @@ class StepInputs:
     seq_lens: list[int]
     logits_rows: list[int]
     sample_src: list[int] = field(default_factory=list)
+    rngs: list[CounterRNG | None] = field(default_factory=list)  # None: greedy; one draw per step
     temperature: list[float] = field(default_factory=list)
     top_k: list[int] = field(default_factory=list)
     top_p: list[float] = field(default_factory=list)
@@ -85,13 +92,18 @@ class _Staging:
             self.hosts[self.slot] = h
         return h
 
-    def stage(self, fields: list[tuple[str, torch.dtype, list, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-        """fields: (name, dtype, flat values, shape) -> device views by name, after one copy."""
+    @staticmethod
+    def offsets(fields: list[tuple[str, torch.dtype, list, tuple[int, ...]]]) -> tuple[list[int], int]:
+        """Byte offset of each field and the total size (every field starts `_ALIGN`-aligned)."""
         offsets, off = [], 0
         for _, dtype, values, _ in fields:
             offsets.append(off)
             off += -(-len(values) * _ITEMSIZE[dtype] // _ALIGN) * _ALIGN
-        total = max(off, _ALIGN)
+        return offsets, max(off, _ALIGN)
+
+    def stage(self, fields: list[tuple[str, torch.dtype, list, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """fields: (name, dtype, flat values, shape) -> device views by name, after one copy."""
+        offsets, total = self.offsets(fields)
         host = self._host(total)
         host_np = host.numpy()
         for (_, dtype, values, _), o in zip(fields, offsets):
@@ -119,12 +131,14 @@ class ModelRunner:
 
     `static_decode`: run all-decode steps padded to `batch_buckets(max_num_seqs)` on fixed buffers;
     `cuda_graphs`: capture those static passes (CUDA only; implies static_decode). `scratch_page`: a
-    cache page no sequence owns (padded rows write it); required for the static path."""
+    cache page no sequence owns (padded rows write it); required for the static path. `banned_ids`:
+    token ids never sampled (a vision model's image ids), int64 on the model's device."""
 
     def __init__(self, model, cache: KVCache, max_num_seqs: int, *, static_decode: bool = False,
                  cuda_graphs: bool = False, scratch_page: int | None = None,
-                 compile_decode: bool = False):  # fmt: skip
+                 compile_decode: bool = False, banned_ids: torch.Tensor | None = None):  # fmt: skip
         self.model, self.cache = model, cache
+        self.banned_ids = banned_ids
         self.device = model.lm_head.weight.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, this one is on {self.device}")
@@ -139,10 +153,12 @@ class ModelRunner:
         self._width = 0  # W: block-table width of the static buffers (0 = not built)
         self._static: _Staging | None = None
         self._static_views: dict[str, torch.Tensor] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its outputs: logits [bs, V], tokens [bs], log-probs [bs])
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.num_captures = 0  # times the bucket graphs were (re)captured
         self.graph_error: str | None = None  # why capture failed (graphs then off), None if it did not
         self.static_steps = 0  # steps that ran the static path (eager or replayed)
+        self.sampled_in_pass = 0  # static steps whose tokens came out of the pass (no truncation)
         # torch.compile of the static pass (before capture): Inductor fuses the per-layer small ops
         # (norms, RoPE, router math, residual adds) into few kernels; batch is marked dynamic so one
         # compilation serves every bucket above 1. A failure turns compilation off (logged once).
@@ -205,20 +221,20 @@ class ModelRunner:
         return self.model.forward_cached(*args, logits_indices=views["rows"],
                                          image_features_NE=inputs.image_features_NE)  # fmt: skip
 
-    def sample(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor], rngs: list,
-               banned_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(tokens_B, logprobs_B) of the sampled rows, on the device (the caller syncs once)."""
+    def sample(self, logits_RV: torch.Tensor, views: dict[str, torch.Tensor],
+               inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(tokens_B, logprobs_B) of the sampled rows, on the device (the caller syncs once). Image ids
+        (`banned_ids`) are never drawn; the log-prob stays over the full vocabulary, as for truncation,
+        which is what the learner recomputes."""
+        if "tokens_B" in views:  # sampled inside the static pass
+            return views["tokens_B"], views["logprobs_B"]
         logits_BV = logits_RV[views["sample_src"]] if "sample_src" in views else logits_RV
+        trunc = {k: views.get(k) for k in _TRUNCATION}
+        if "keys" in views:  # a static step with truncation: its keys were drawn in `prepare`
+            return sampler.sample_with_keys(logits_BV, views["temperature"], views["keys"], **trunc,
+                                            banned_ids=self.banned_ids)  # fmt: skip
         temperature_B = views["temperature"]
-        trunc = {k: views.get(k) for k in ("top_k_B", "top_p_B", "min_p_B")}
-        if banned_ids is None:
-            return sampler.sample(logits_BV, temperature_B, rngs, **trunc)
-        # Image ids are never drawn, but the reported log-prob is over the full vocabulary (the engine
-        # convention for truncation), which is what the learner recomputes.
-        allowed_BV = logits_BV.index_fill(-1, banned_ids, float("-inf"))
-        tokens_B, _ = sampler.sample(allowed_BV, temperature_B, rngs, **trunc)
-        scaled_BV = sampler.temperature_scaled(logits_BV, temperature_B)
-        return tokens_B, torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
+        return sampler.sample(logits_BV, temperature_B, inputs.rngs, **trunc, banned_ids=self.banned_ids)
 
     # ------------------------------------------------------------------ static decode
     def _bucket(self, n: int) -> int:
@@ -234,41 +250,44 @@ class ModelRunner:
                         self._width, W, len(self.buckets))  # fmt: skip
         self._graphs.clear()
         self._width = W
-        Bm = self.buckets[-1]
-        nbytes = 8 * (5 * Bm + Bm * W) + 3 * -(-4 * Bm // _ALIGN) * _ALIGN  # the layout of _static_fields
+        _, nbytes = _Staging.offsets(self._static_fields(None, []))
         self._static = _Staging(self.device, fixed_bytes=nbytes)
-        self._fill_static([], [], [], [], [], [], [], [])  # every row padded: capture writes only scratch
+        self._fill_static()  # every row padded: warm-up and capture write only the scratch page
         if self.cuda_graphs:
             self._capture_all()
 
-    def _static_fields(self, ids, pos, lens, tables, temp, top_k, top_p, min_p):
+    def _static_fields(self, inputs: StepInputs | None, keys: list[int]) -> list:
+        """The static layout: the real rows of `inputs` (None: none) with their draw keys, padded to the
+        largest bucket (padded rows: greedy, key 0, truncation off)."""
+        x = inputs or StepInputs([], [], [], [], [], [])
         Bm, W = self.buckets[-1], self._width
-        n = len(ids)
+        n = len(x.seq_lens)
         pad = Bm - n
         scratch = self.scratch_page
-        table = [p for t in tables for p in (*t, *(scratch,) * (W - len(t)))] + [scratch] * (pad * W)
-        ints = [("ids", ids + [0] * pad), ("pos", pos + [0] * pad), ("seq", list(range(Bm))),
-                ("lens", lens + [1] * pad), ("top_k_B", top_k + [0] * pad), ("table", table)]  # fmt: skip
-        floats = [("temperature", temp + [0.0] * pad), ("top_p_B", top_p + [1.0] * pad),
-                  ("min_p_B", min_p + [0.0] * pad)]  # fmt: skip
+        table = [p for t in x.block_tables for p in (*t, *(scratch,) * (W - len(t)))] + [scratch] * (pad * W)
+        ints = [("ids", x.token_ids + [0] * pad), ("pos", x.positions + [0] * pad), ("seq", list(range(Bm))),
+                ("lens", x.seq_lens + [1] * pad), ("keys", keys + [0] * pad),
+                ("top_k_B", (x.top_k or [0] * n) + [0] * pad), ("table", table)]  # fmt: skip
+        floats = [("temperature", x.temperature + [0.0] * pad),
+                  ("top_p_B", (x.top_p or [1.0] * n) + [1.0] * pad),
+                  ("min_p_B", (x.min_p or [0.0] * n) + [0.0] * pad)]  # fmt: skip
         return [(k, torch.int64, v, (len(v),)) for k, v in ints] + [
             (k, torch.float32, v, (Bm,)) for k, v in floats
         ]
 
-    def _fill_static(self, *rows: list) -> None:
-        """(ids, pos, lens, tables, temperature, top_k, top_p, min_p) of the real rows, padded."""
-        self._static_views = self._static.stage(self._static_fields(*rows))
+    def _fill_static(self, inputs: StepInputs | None = None, keys: list[int] | None = None) -> None:
+        """Stage the real rows of `inputs` (None: every row padded) and their keys in the static buffers."""
+        self._static_views = self._static.stage(self._static_fields(inputs, keys or []))
 
     def _prepare_static(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
-        self._ensure_width(max(len(t) for t in inputs.block_tables))
         n = len(inputs.seq_lens)
-        top_k = inputs.top_k or [0] * n
-        top_p = inputs.top_p or [1.0] * n
-        min_p = inputs.min_p or [0.0] * n
-        self._fill_static(inputs.token_ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
-                          inputs.temperature, top_k, top_p, min_p)  # fmt: skip
+        if len(inputs.rngs) != n or len(inputs.temperature) != n:
+            raise ValueError(f"a static step samples every row: need {n} rngs and temperatures, got "
+                             f"{len(inputs.rngs)} and {len(inputs.temperature)}")  # fmt: skip
+        self._ensure_width(max(len(t) for t in inputs.block_tables))
+        self._fill_static(inputs, sampler.draw_keys(inputs.rngs))  # this step's draws, one per row
         v = self._static_views
-        views = {"static_bs": torch.empty(0), "temperature": v["temperature"][:n]}  # key marks the path
+        views = {"static_bs": torch.empty(0), "temperature": v["temperature"][:n], "keys": v["keys"][:n]}
         for k, off in (("top_k_B", 0), ("top_p_B", 1.0), ("min_p_B", 0.0)):
             if any(x != off for x in getattr(inputs, k[:-2])):
                 views[k] = v[k][:n]
@@ -291,6 +310,15 @@ class ModelRunner:
                 self._compile_failed(exc)
                 return self.model.forward_cached(*args)
 
+    def static_step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`static_forward`, then every row sampled with its staged key (banned ids applied, truncation
+        off) -> (logits [bs, V], tokens [bs], log-probs [bs]): what a CUDA graph captures per bucket."""
+        logits_BV = self.static_forward(bs)
+        v = self._static_views
+        tokens_B, logprobs_B = sampler.sample_with_keys(logits_BV, v["temperature"][:bs], v["keys"][:bs],
+                                                        banned_ids=self.banned_ids)  # fmt: skip
+        return logits_BV, tokens_B, logprobs_B
+
     def _compile_failed(self, exc: BaseException) -> None:
         self.compile_error = f"{type(exc).__name__}: {str(exc)[:500]}"
         logger.warning("torch.compile of the decode pass failed (%s); running it uncompiled",
@@ -302,10 +330,15 @@ class ModelRunner:
         self.static_steps += 1
         bs = self._bucket(n)
         if bs in self._graphs:
-            graph, out_BV = self._graphs[bs]
+            graph, outs = self._graphs[bs]
             graph.replay()
-            return out_BV[:n]
-        return self.static_forward(bs)[:n]
+        else:
+            outs = self.static_step(bs)
+        logits_BV, tokens_B, logprobs_B = outs
+        if not any(k in views for k in _TRUNCATION):  # the in-pass draw is untruncated
+            views["tokens_B"], views["logprobs_B"] = tokens_B[:n], logprobs_B[:n]
+            self.sampled_in_pass += 1
+        return logits_BV[:n]
 
     def _capture_all(self) -> None:
         """Capture every bucket, largest first, in one memory pool. A failure (an op that is not
@@ -335,17 +368,17 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.static_forward(bs)
+                self.static_step(bs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out_BV = self.static_forward(bs)
+                outs = self.static_step(bs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._graphs[bs] = (graph, out_BV)
+        self._graphs[bs] = (graph, outs)
         return graph.pool()
 
     def poison_padding(self, n: int, generator: torch.Generator) -> None:
         """Tests: garbage in the padded rows (>= n) of the static buffers: token ids, positions inside the
-        scratch page and sampling parameters (tables stay on the scratch page: that is the contract)."""
+        scratch page, temperatures and draw keys (tables stay on the scratch page: that is the contract)."""
         v, Bm = self._static_views, self.buckets[-1]
         vocab, page = self.model.config.vocab_size, self.cache.page_size
         v["ids"][n:] = torch.randint(0, vocab, (Bm - n,), generator=generator).to(self.device)
@@ -353,6 +386,7 @@ class ModelRunner:
         v["pos"][n:] = pos
         v["lens"][n:] = pos + 1
         v["temperature"][n:] = torch.rand(Bm - n, generator=generator).to(self.device) + 0.5
+        v["keys"][n:] = torch.randint(-(2**62), 2**62, (Bm - n,), generator=generator).to(self.device)
 
 
 def _truncation_ints(inputs: StepInputs) -> dict[str, list[int]]:

@@ -5,6 +5,8 @@ token per row (the exponential race, argmax p / Exp(1)), and the fp32 log-probab
 token (before truncation, rollout/engine.py). Randomness is counter-based: a row's draws are a hash
 of (its seed, how many draws it has made, the element), so a batch's noise is one batched tensor
 computation instead of one generator call per row, and it needs no generator state on the device.
+`sample_with_keys` is the whole sampler on device tensors (each row's draw key included), safe to
+capture in a CUDA graph; `sample` draws the keys from the rows' `CounterRNG`s and calls it.
 Invariants: a row's draw depends only on its seed, its draw count and its logits, never on the other
 rows, so a seed reproduces it and a preempted sample redraws the same tokens.
 """
@@ -120,34 +122,41 @@ def _element_offsets(n: int, device: torch.device) -> torch.Tensor:
     return _OFFSETS[key]
 
 
-def _draw(rngs: list[CounterRNG | None], n: int, device: torch.device, exponential: bool) -> torch.Tensor:
-    """[B, n] fp32: each active row's next draw as uniforms in (0, 1) (24 random bits: (k + 0.5) /
-    2^24), or their -log (Exp(1)); inactive rows (None) are 0 (uniform) / 1 (exponential)."""
-    B = len(rngs)
-    rows = [b for b, r in enumerate(rngs) if r is not None]
-    fill = 1.0 if exponential else 0.0
-    if not rows:
-        return torch.full((B, n), fill, dtype=torch.float32, device=device)
-    # (row, key) pairs in one host-to-device copy; in row order, so an rng shared by several rows
-    # gives each its next draw.
-    row_key_R2 = torch.tensor([(b, rngs[b].next_key()) for b in rows], dtype=torch.int64).to(device)
-    out_Bn = torch.full((B, n), fill, dtype=torch.float32, device=device)
-    if device.type == "cuda":
+def counter_noise_torch(
+    keys_B: torch.Tensor, is_active_B: torch.Tensor, n: int, exponential: bool
+) -> torch.Tensor:
+    """fp32 [B, n]: row b is the draw of key keys_B[b] where is_active_B[b], element j being u = ((bits
+    >> 40) + 0.5) / 2^24 with bits = splitmix64(key + j * golden), or -log u; inactive rows are 0
+    (uniform) / 1 (exponential). The torch twin of model.kernels.triton_noise.counter_noise_triton."""
+    bits_Bn = splitmix64_tensor(keys_B[:, None] + _element_offsets(n, keys_B.device))
+    u_Bn = ((bits_Bn >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
+    if exponential:
+        return u_Bn.log_().neg_().masked_fill_(~is_active_B[:, None], 1.0)
+    return u_Bn.masked_fill_(~is_active_B[:, None], 0.0)
+
+
+def counter_noise(keys_B: torch.Tensor, is_active_B: torch.Tensor, n: int, exponential: bool) -> torch.Tensor:
+    """The one dispatch point of the counter noise: the Triton kernel on CUDA, the torch twin elsewhere.
+    Device tensors in, no host value read: safe inside a captured CUDA graph."""
+    if keys_B.device.type == "cuda":
         from model.kernels.triton_noise import counter_noise_triton
 
-        counter_noise_triton(row_key_R2, out_Bn, exponential)
-    else:
-        counter_noise_torch(row_key_R2, out_Bn, exponential)
-    return out_Bn
+        return counter_noise_triton(keys_B, is_active_B, n, exponential)
+    return counter_noise_torch(keys_B, is_active_B, n, exponential)
 
 
-def counter_noise_torch(row_key_R2: torch.Tensor, out_Bn: torch.Tensor, exponential: bool) -> None:
-    """Row row_key_R2[r, 0] of `out_Bn` from the draw key row_key_R2[r, 1]: element j is u = ((bits >> 40)
-    + 0.5) / 2^24 with bits = splitmix64(key + j * golden), or -log u; the torch twin of
-    model.kernels.triton_noise.counter_noise_triton (the other rows are left as they are)."""
-    bits_Rn = splitmix64_tensor(row_key_R2[:, 1:] + _element_offsets(out_Bn.shape[1], out_Bn.device))
-    u_Rn = ((bits_Rn >> 40) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)
-    out_Bn[row_key_R2[:, 0]] = u_Rn.log_().neg_() if exponential else u_Rn
+def draw_keys(rngs: list[CounterRNG | None]) -> list[int]:
+    """Each row's key of this step (0 for None rows, which draw nothing); in row order, so an rng
+    shared by several rows gives each its next draw."""
+    return [0 if r is None else r.next_key() for r in rngs]
+
+
+def _draw(rngs: list[CounterRNG | None], n: int, device: torch.device, exponential: bool) -> torch.Tensor:
+    """[B, n] fp32: each active row's next draw (uniforms or Exp(1)); None rows are the fill."""
+    keys = draw_keys(rngs)
+    # keys and flags in one host-to-device copy
+    packed_2B = torch.tensor([keys, [r is not None for r in rngs]], dtype=torch.int64).to(device)
+    return counter_noise(packed_2B[0], packed_2B[1] != 0, n, exponential)
 
 
 def uniform_noise(rngs: list[CounterRNG | None], n: int, device: torch.device) -> torch.Tensor:
@@ -162,6 +171,42 @@ def exponential_noise(rngs: list[CounterRNG | None], vocab_size: int, device: to
     return _draw(rngs, vocab_size, device, exponential=True)
 
 
+def sample_with_keys(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    keys_B: torch.Tensor | None,
+    top_k_B: torch.Tensor | None = None,
+    top_p_B: torch.Tensor | None = None,
+    min_p_B: torch.Tensor | None = None,
+    banned_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row -> (tokens_B int64, logprobs_B fp32), from device tensors only: no host value
+    is read and no branch depends on one, so a CUDA graph can capture it.
+
+    Rows with temperature > 0 sample from the truncated temperature-scaled distribution with the
+    draw of keys_B[b] (int64, their `CounterRNG.next_key()` of this step); rows with temperature 0
+    take the argmax (first index on ties) and ignore their key. keys_B None: no row samples (every
+    temperature 0), so no noise is drawn and truncation is skipped (it never moves an argmax).
+    `banned_ids` (int64 [N]) are never drawn; like truncation they leave the log-prob, which is over
+    the full vocabulary (rollout/engine.py), unchanged.
+    """
+    B, V = logits_BV.shape
+    if temperature_B.shape != (B,) or (keys_B is not None and keys_B.shape != (B,)):
+        got = f"{tuple(temperature_B.shape)} and {None if keys_B is None else tuple(keys_B.shape)}"
+        raise ValueError(f"need temperature_B [{B}] and keys_B [{B}], got {got}")
+    scaled_BV = temperature_scaled(logits_BV, temperature_B)
+    drawn_BV = scaled_BV if banned_ids is None else scaled_BV.index_fill(-1, banned_ids, float("-inf"))
+    tokens_B = drawn_BV.argmax(dim=-1)
+    if keys_B is not None:
+        is_random_B = temperature_B > 0
+        keep_BV = truncation_mask(drawn_BV, top_k_B, top_p_B, min_p_B)
+        probs_BV = torch.softmax(drawn_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+        q_BV = counter_noise(keys_B, is_random_B, V, exponential=True)
+        tokens_B = torch.where(is_random_B, (probs_BV / q_BV).argmax(dim=-1), tokens_B)
+    logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
+    return tokens_B, logprobs_B
+
+
 def sample(
     logits_BV: torch.Tensor,
     temperature_B: torch.Tensor,
@@ -169,25 +214,14 @@ def sample(
     top_k_B: torch.Tensor | None = None,
     top_p_B: torch.Tensor | None = None,
     min_p_B: torch.Tensor | None = None,
+    banned_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row -> (tokens_B int64, logprobs_B fp32).
-
-    Rows with temperature 0 take the argmax (first index on ties) and must have rng None; the
-    others sample from the truncated temperature-scaled distribution with their rng's next draw.
-    """
-    B, V = logits_BV.shape
-    if temperature_B.shape != (B,) or len(rngs) != B:
-        raise ValueError(f"need temperature_B [{B}] and {B} rngs, got "
-                         f"{tuple(temperature_B.shape)} and {len(rngs)}")  # fmt: skip
-    scaled_BV = temperature_scaled(logits_BV, temperature_B)
-    if all(g is None for g in rngs):  # every row greedy: no draw, no truncation
-        tokens_B = scaled_BV.argmax(dim=-1)
-        return tokens_B, torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
-    keep_BV = truncation_mask(scaled_BV, top_k_B, top_p_B, min_p_B)
-    probs_BV = torch.softmax(scaled_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
-    q_BV = exponential_noise(rngs, V, logits_BV.device)
-    random_B = (probs_BV / q_BV).argmax(dim=-1)
-    greedy_B = scaled_BV.argmax(dim=-1)
-    tokens_B = torch.where(temperature_B > 0, random_B, greedy_B)
-    logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
-    return tokens_B, logprobs_B
+    """`sample_with_keys` with each row's key drawn here from its rng (None rows draw nothing, and
+    must be the greedy ones: temperature 0)."""
+    B = logits_BV.shape[0]
+    if len(rngs) != B:
+        raise ValueError(f"need {B} rngs, got {len(rngs)}")
+    keys_B = None
+    if any(r is not None for r in rngs):
+        keys_B = torch.tensor(draw_keys(rngs), dtype=torch.int64).to(logits_BV.device)
+    return sample_with_keys(logits_BV, temperature_B, keys_B, top_k_B, top_p_B, min_p_B, banned_ids)

@@ -1,6 +1,7 @@
-"""CUDA-graph decode of the native engine (GPU only): replayed graphs give the eager runner's tokens and
-log-probs (fp32 torch paths and bf16 Triton paths), seeded sampling is unchanged by graphs, and an
-adapter sync under graphs takes effect at the next step without a re-capture."""
+"""CUDA-graph decode of the native engine (GPU only): replayed graphs, which sample inside the replay,
+give the eager runner's tokens and log-probs (fp32 torch paths and bf16 Triton paths), seeded sampling
+is unchanged by graphs (sampled in the graph, or re-sampled eagerly for truncated rows), and an adapter
+sync under graphs takes effect at the next step without a re-capture."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def prompts(lengths, seed=0) -> list[tuple[int, ...]]:
     return [tuple(torch.randint(3, 512, (n,), generator=g).tolist()) for n in lengths]
 
 
-def requests(temperature: float = 0.0, n_prompts: int = 5, max_tokens: int = 24) -> list[Request]:
-    sp = SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0, max_tokens=max_tokens,
-                        ignore_eos=True)  # fmt: skip
+def requests(temperature: float = 0.0, n_prompts: int = 5, max_tokens: int = 24,
+             top_p: float | None = None) -> list[Request]:  # fmt: skip
+    top_p = (0.9 if temperature else 1.0) if top_p is None else top_p
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True)
     lengths = [9, 40, 17, 3, 70, 25, 33][:n_prompts]  # 5 sequences: bucket 8; page-crossing decodes
     return [Request(p, sp, seed=11 + i) for i, p in enumerate(prompts(lengths, 1))]
 
@@ -66,6 +68,8 @@ def test_graph_replay_equals_eager_runner_fp32():
     engs = engines(model, fp32_cache=True)
     out = {name: eng.generate(requests()) for name, eng in engs.items()}
     assert_graphs_ran(engs["graphs"])
+    r = engs["graphs"].runner
+    assert r.sampled_in_pass == r.static_steps  # greedy, untruncated: every decode step sampled in the graph
     assert_same(out["graphs"], out["static"], atol=1e-5)
     assert_same(out["graphs"], out["eager"], atol=1e-5)
 
@@ -115,14 +119,19 @@ def test_compiled_graph_replay_bf16_nvfp4_kv_runs_the_triton_kernels():
     assert (lp_c - lp_s).abs().mean() < 0.05
 
 
-def test_seeded_sampling_is_identical_with_and_without_graphs():
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_seeded_sampling_is_identical_with_and_without_graphs(top_p):
+    """top_p 1: the replay samples (noise kernel and exponential race inside the graph); top_p 0.9: the
+    replay's logits are re-sampled eagerly with the same keys. Either way: the eager runner's samples."""
     model = build(torch.float32, seed=4)
     engs = engines(model, fp32_cache=True)
-    out = {name: eng.generate(requests(temperature=0.8)) for name, eng in engs.items()}
+    out = {name: eng.generate(requests(temperature=0.8, top_p=top_p)) for name, eng in engs.items()}
     assert_graphs_ran(engs["graphs"])
+    r = engs["graphs"].runner
+    assert r.sampled_in_pass == (r.static_steps if top_p == 1.0 else 0)
     assert_same(out["graphs"], out["static"])
     assert_same(out["graphs"], out["eager"])
-    again = engs["graphs"].generate(requests(temperature=0.8))
+    again = engs["graphs"].generate(requests(temperature=0.8, top_p=top_p))
     assert_same(out["graphs"], again)
 
 

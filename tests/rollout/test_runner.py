@@ -1,6 +1,6 @@
 """Model runner on the tiny model (CPU): the static (padded, fixed-buffer) decode path that CUDA graphs
-capture gives the unpadded engine's tokens and log-probs, and garbage in the padded rows changes no real
-row (logits bit for bit, every page but the scratch page)."""
+capture, sampling included, gives the unpadded engine's tokens and log-probs, and garbage in the padded
+rows changes no real row (logits, tokens and log-probs bit for bit, every page but the scratch page)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
-from rollout.native import NativeEngine
+from rollout.native import NativeEngine, sampler
 from rollout.native.runner import batch_buckets
 from tests.rollout.tiny_models import build, prompts
 
@@ -22,9 +22,10 @@ def model() -> MiniMaxM3ForCausalLM:
     return build()
 
 
-def mixed_requests() -> list[Request]:
+def mixed_requests(truncated: bool = True) -> list[Request]:
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    hot = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=10, ignore_eos=True)
+    hot = SamplingParams(temperature=0.8, top_p=0.9 if truncated else 1.0, top_k=40 if truncated else 0,
+                         max_tokens=10, ignore_eos=True)  # fmt: skip
     p = prompts([21, 9, 33], 4)
     return [Request(p[0], greedy), Request(p[1], hot, n=2, seed=7), Request(p[2], greedy)]
 
@@ -36,16 +37,24 @@ def test_batch_buckets_are_powers_of_two_up_to_max_num_seqs():
     assert batch_buckets(1000)[-1] == 256
 
 
-@pytest.mark.parametrize("kv", ["fp32", "nvfp4"])
-def test_static_decode_equals_the_unpadded_engine(kv):
+@pytest.mark.parametrize(
+    "kv, truncated", [("fp32", True), ("nvfp4", True), ("fp32", False), ("nvfp4", False)]
+)
+def test_static_decode_equals_the_unpadded_engine(kv, truncated):
+    """Truncated rows re-sample the pass's logits eagerly; without truncation the pass samples."""
     m = build(seed=1) if kv == "fp32" else build(seed=3, kv_cache_dtype="nvfp4")
     kw = dict(max_pages=48, max_batch_tokens=40, max_num_seqs=8)
     if kv == "fp32":
         kw.update(kv_dtype="fp32", index_dtype="fp32")
     plain = NativeEngine(m, static_decode=False, **kw)
     static = NativeEngine(m, static_decode=True, **kw)
-    a, b = plain.generate(mixed_requests()), static.generate(mixed_requests())
+    a, b = plain.generate(mixed_requests(truncated)), static.generate(mixed_requests(truncated))
     assert static.runner.static_steps > 0 and plain.runner.static_steps == 0
+    in_pass, steps = static.runner.sampled_in_pass, static.runner.static_steps
+    if truncated:  # greedy-only steps after the truncated samples finish still sample in the pass
+        assert 0 < in_pass < steps
+    else:
+        assert in_pass == steps
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
@@ -87,6 +96,56 @@ def test_garbage_in_padded_rows_changes_no_real_row(model):
     torch.testing.assert_close(first_RV, unpadded_RV, atol=1e-5, rtol=0)
 
 
+def test_sampling_inside_the_static_pass_ignores_garbage_in_padded_rows(model):
+    """The padded pass samples every row from its staged key: the real rows' tokens and log-probs do not
+    move when the padded rows hold garbage (tokens, positions, temperatures, keys) and equal
+    `sample_with_keys` of the real rows' logits with the same keys; the keys are drawn once, in `prepare`."""
+    eng = NativeEngine(model, max_pages=32, kv_dtype="fp32", index_dtype="fp32", static_decode=True,
+                       max_num_seqs=8)  # fmt: skip
+    hot, greedy = (SamplingParams(temperature=t, max_tokens=8, ignore_eos=True) for t in (0.9, 0.0))
+    for p, sp, seed in zip(prompts([17, 30, 5], 9), (hot, greedy, hot), (3, None, 4)):
+        eng.add_request(Request(p, sp, seed=seed))
+    while not all(s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    with torch.inference_mode():
+        inputs, seqs, _ = eng._plan(eng.scheduler.schedule(), [], [])
+        assert inputs.is_decode and len(seqs) == 3
+        draws = [s.rng and s.rng.draws for s in seqs]
+        views = eng.runner.prepare(inputs)
+        assert [s.rng and s.rng.draws for s in seqs] == [d and d + 1 for d in draws]
+        logits_RV = eng.runner.run(views, inputs).clone()
+        assert "tokens_B" in views  # sampled inside the pass
+        tokens_B, logprobs_B = (t.clone() for t in eng.runner.sample(logits_RV, views, inputs))
+        _, _, clean_lp = (t.clone() for t in eng.runner.static_step(4))
+        eng.runner.poison_padding(3, torch.Generator().manual_seed(0))
+        again_RV = eng.runner.run(views, inputs)
+        again_tok, again_lp = eng.runner.sample(again_RV, views, inputs)
+        _, _, dirty_lp = eng.runner.static_step(4)
+        assert [s.rng and s.rng.draws for s in seqs] == [d and d + 1 for d in draws]  # sample drew nothing
+        ref_tok, ref_lp = sampler.sample_with_keys(logits_RV, views["temperature"], views["keys"])
+    assert clean_lp[3] != dirty_lp[3]  # the garbage reached the padded row
+    assert torch.equal(logits_RV, again_RV)
+    assert torch.equal(tokens_B, again_tok) and torch.equal(logprobs_B, again_lp)
+    assert torch.equal(tokens_B, ref_tok) and torch.equal(logprobs_B, ref_lp)
+
+
+def test_preempted_samples_redraw_the_same_tokens_through_the_static_pass(model):
+    """Keys drawn in `prepare` keep each sample's draw count what the eager engine's is: a tight page
+    budget (preemptions, recompute) through the in-pass sampler gives a roomy eager engine's samples."""
+    sp = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    reqs = [
+        Request(p, sp, seed=5 + i, n=2 if i == 1 else 1) for i, p in enumerate(prompts([20, 30, 11, 25], 4))
+    ]
+    kw = dict(kv_dtype="fp32", index_dtype="fp32", max_num_seqs=8)
+    reference = NativeEngine(model, max_pages=64, **kw).generate(reqs)
+    eng = NativeEngine(model, max_pages=5, max_batch_tokens=48, static_decode=True, **kw)
+    tight = eng.generate(reqs)
+    assert eng.stats().preemptions > 0 and eng.runner.sampled_in_pass > 0
+    assert [c.token_ids for c in tight] == [c.token_ids for c in reference]
+    for x, y in zip(tight, reference):
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
 def test_cuda_graphs_on_a_cpu_model_is_refused(model):
     with pytest.raises(ValueError, match="CUDA"):
         NativeEngine(model, max_pages=8, cuda_graphs=True)
@@ -125,7 +184,7 @@ def test_static_decode_pass_reads_no_device_value_on_the_host(kv):
     eng.generate([Request(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts([20, 7], 5)])
     detector, control = _HostSyncDetector(), _HostSyncDetector()
     with torch.inference_mode(), detector:
-        eng.runner.static_forward(4)
+        eng.runner.static_step(4)  # the forward and the sampling a graph captures
     assert detector.found == []
     v, W = eng.runner._static_views, eng.runner._width
     with torch.inference_mode(), control:  # the same pass outside static_shapes: the detector sees syncs

@@ -166,3 +166,58 @@ def test_counter_noise_is_uniform_independent_and_reproducible():
         [sampler.CounterRNG(s) for s in range(16)], 8192, torch.device("cpu")
     ).double()
     assert abs(float(e.mean()) - 1) < 0.02 and abs(float(e.var()) - 1) < 0.05
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_sample_with_keys_equals_sample_bit_for_bit_and_greedy_rows_draw_nothing(truncated):
+    """The keyed sampler (what a CUDA graph captures) with each row's `next_key()` gives `sample`'s
+    tokens and log-probs bit for bit on mixed greedy / random rows; greedy rows consume no draw and
+    ignore their key; an all-greedy batch without keys equals the keyed path."""
+    g = torch.Generator().manual_seed(4)
+    B, V = 12, 300
+    logits = torch.randn(B, V, generator=g) * 2
+    temp = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.9, 0.0, 0.5, 1.1, 0.0, 0.8, 1.0])
+    seeds = [None if t == 0 else 100 + b for b, t in enumerate(temp.tolist())]
+    trunc = {}
+    if truncated:
+        trunc = dict(
+            top_k_B=torch.randint(0, 20, (B,), generator=g),
+            top_p_B=torch.rand(B, generator=g) * 0.5 + 0.5,
+            min_p_B=torch.rand(B, generator=g) * 0.1,
+        )
+    rngs = gens(seeds)
+    tok, lp = sampler.sample(logits, temp, rngs, **trunc)
+    assert [None if r is None else r.draws for r in rngs] == [None if s is None else 1 for s in seeds]
+    keys = torch.tensor([0 if s is None else sampler.CounterRNG(s).next_key() for s in seeds])
+    tok_k, lp_k = sampler.sample_with_keys(logits, temp, keys, **trunc)
+    assert torch.equal(tok, tok_k) and torch.equal(lp, lp_k)
+    garbage = torch.where(temp > 0, keys, torch.randint(-(2**62), 2**62, (B,), generator=g))
+    tok_g, lp_g = sampler.sample_with_keys(logits, temp, garbage, **trunc)
+    assert torch.equal(tok, tok_g) and torch.equal(lp, lp_g)
+    # The random rows are really random: other keys move some of them, never a greedy row.
+    tok_o, _ = sampler.sample_with_keys(logits, temp, keys + 1, **trunc)
+    assert (tok_o != tok)[temp > 0].any() and torch.equal(tok_o[temp == 0], tok[temp == 0])
+    zeros = torch.zeros(B)
+    greedy, greedy_lp = sampler.sample(logits, zeros, [None] * B, **trunc)
+    keyed, keyed_lp = sampler.sample_with_keys(logits, zeros, garbage, **trunc)
+    assert torch.equal(greedy, keyed) and torch.equal(greedy_lp, keyed_lp)
+
+
+def test_banned_ids_are_never_drawn_and_keep_the_full_vocabulary_logprob():
+    """Banned ids (a vision model's image tokens) equal sampling from logits with those ids at -inf,
+    bit for bit, while the reported log-prob is the unbanned one (the truncation convention)."""
+    g = torch.Generator().manual_seed(5)
+    B, V = 8, 64
+    logits = torch.randn(B, V, generator=g)
+    banned = torch.tensor([3, 10, 11, 40])
+    logits[:, banned] += 6.0  # most of the mass on banned ids
+    temp = torch.tensor([0.0, 1.0, 0.8, 0.0, 1.2, 1.0, 0.6, 0.0])
+    seeds = [None if t == 0 else 7 + b for b, t in enumerate(temp.tolist())]
+    tok, lp = sampler.sample(logits, temp, gens(seeds), top_p_B=torch.full((B,), 0.9), banned_ids=banned)
+    allowed = logits.index_fill(-1, banned, float("-inf"))
+    ref_tok, _ = sampler.sample(allowed, temp, gens(seeds), top_p_B=torch.full((B,), 0.9))
+    ref_lp = torch.log_softmax(sampler.temperature_scaled(logits, temp), -1).gather(-1, ref_tok[:, None])[
+        :, 0
+    ]
+    assert torch.equal(tok, ref_tok) and torch.equal(lp, ref_lp)
+    assert not set(tok.tolist()) & set(banned.tolist())

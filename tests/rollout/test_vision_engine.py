@@ -146,7 +146,9 @@ def test_preemption_with_image_prompts_recomputes_the_same_output(model, images)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
-def test_image_ids_are_never_sampled_and_logprobs_stay_full_vocabulary(images):
+@pytest.mark.parametrize("static_decode", [False, True])
+def test_image_ids_are_never_sampled_and_logprobs_stay_full_vocabulary(images, static_decode):
+    """Also through the static decode pass, which samples inside the pass (banned ids included)."""
     m = MiniMaxM3ForCausalLM(ModelConfig.preset("tiny-vl")).init_weights(std=0.1, seed=4).eval()
     imgs = images[:1]
     ids = prompt(imgs, m.vision.config)
@@ -157,7 +159,9 @@ def test_image_ids_are_never_sampled_and_logprobs_stay_full_vocabulary(images):
         first_V = m.forward(torch.tensor(ids)[None], images=imgs)[0, -1]
     assert first_V.argmax().item() in banned and torch.softmax(first_V, -1)[banned].sum() > 0.9
     for sp in (SP, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)):
-        out = engine(m).generate([Request(ids, sp, n=3 if sp.temperature else 1, seed=1, images=imgs)])
+        eng = engine(m, static_decode=static_decode)
+        out = eng.generate([Request(ids, sp, n=3 if sp.temperature else 1, seed=1, images=imgs)])
+        assert (eng.runner.sampled_in_pass > 0) == static_decode
         for c in out:
             assert not set(c.token_ids) & set(banned)
             assert c.logprobs[0] < -3.0  # full-vocabulary log-prob: the banned ids keep their mass
