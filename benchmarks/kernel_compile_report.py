@@ -356,7 +356,7 @@ def indexer_cases() -> list[Case]:
     ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
                 out_ptr="fp32")  # fmt: skip
     consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
-    for sub, w, st, _ in ix.V6_CONFIGS:  # register caps are not modelled here
+    for sub, w, st in ix.V6_CONFIGS:
         out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},
                         ptrs, num_warps=w, num_stages=st, elems=128 * 128 // (32 * w),
                         tile_bytes=128 * 72))  # fmt: skip

@@ -189,15 +189,13 @@ def _index_scores_v6_kernel(
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
 
 
-# (SUB, warps, stages, register cap): from 6 stages the code-byte tile is double-buffered (2 x 8 KB at
-# 128 keys; TTGIR, sm_90), below it one tile is in flight per program; 32-key tiles get mma.sync, not
-# wgmma. The capped entries (candidates, untimed): the bound is occupancy (ncu: 121 registers -> 25%;
-# RESULTS.md), and ptxas fits SUB = 128 in 96 registers without spills (5 programs per SM instead of
-# 4), SUB = 64 in 64 (8 per SM); 64 at SUB = 128 spills 8 bytes.
-V6_CONFIGS = ((64, 4, 3, None), (64, 4, 6, None), (128, 4, 3, None), (128, 4, 6, None), (128, 8, 3, None),
-              (128, 8, 6, None), (128, 4, 6, 96), (128, 4, 6, 64), (64, 4, 6, 64))  # fmt: skip
+# (SUB, warps, stages): from 6 stages the code-byte tile is double-buffered (2 x 8 KB at 128 keys;
+# TTGIR, sm_90), below it one tile is in flight per program; 32-key tiles get mma.sync, not wgmma.
+# Register caps (96 / 64 at SUB = 128, 64 at SUB = 64: 5-8 programs per SM) lost to the uncapped
+# (128, 4, 6) in the H200 autotune (RESULTS.md, session 10) and were dropped.
+V6_CONFIGS = ((64, 4, 3), (64, 4, 6), (128, 4, 3), (128, 4, 6), (128, 8, 3), (128, 8, 6))
 _index_scores_v6_tuned = triton.autotune(
-    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st, maxnreg=r) for sub, w, st, r in V6_CONFIGS],
+    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
     key=["tune_class", "PAGE"],
     do_bench=safe_do_bench,
 )(_index_scores_v6_kernel)

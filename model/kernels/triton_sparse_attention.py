@@ -335,9 +335,9 @@ def _sparse_attn_v6_kernel(
 # (SUB, warps, stages, register cap) for 128-token pages: 64- and 128-key tiles (keys on M: wgmma from
 # M = 64 per warp group). Stages (compile report, sm_90): 2-4 keep one K/V tile of code bytes in
 # flight per program, 5 double-buffers it (shared 15 -> 25 KB at SUB = 64, 27 -> 45 KB at 128);
-# registers (131-176) allow 1-3 programs per SM. The capped entries (candidates, untimed): ncu
-# bounds the kernel by occupancy (18.8%, register-limited; RESULTS.md), and ptxas fits SUB = 128 in
-# 128 registers without spills (4 programs per SM), SUB = 64 in 112.
+# registers (131-176) allow 1-3 programs per SM. Register caps (ncu: occupancy-bound at 18.8%,
+# register-limited): ptxas fits SUB = 128 in 128 registers without spills (4 programs per SM), SUB =
+# 64 in 112; the H200 autotune picked (128, 4, 5, 128) at B = 64, 128K (RESULTS.md, session 10).
 V6_CONFIGS = ((64, 4, 2, None), (64, 4, 5, None), (128, 4, 2, None), (128, 4, 5, None), (128, 8, 2, None),
               (128, 8, 5, None), (128, 4, 2, 128), (128, 4, 5, 128), (64, 4, 5, 112))  # fmt: skip
 _sparse_attn_v6_tuned = triton.autotune(
