@@ -6,7 +6,10 @@ index_q and index_k (over head_dim).
 
 Invariant: the arithmetic runs in fp32 whatever the input dtype and the result is cast back to
 the input dtype at the very end ((x * w).to(dtype), not x.to(dtype) * w), matching the
-reference implementations so bf16 checkpoints reproduce bit-for-bit.
+reference implementations so bf16 checkpoints reproduce bit-for-bit. In inference mode on CUDA
+(the rollout engines; the learner's no-grad log-prob passes keep the torch path, so its old and new
+log-probs share one arithmetic) and outside torch.compile, the same arithmetic runs as one Triton
+launch (`model.kernels.triton_norm`: another summation order, so a few fp32 ulps).
 """
 
 import torch
@@ -15,6 +18,11 @@ from torch import nn
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim of `x`; `weight` has shape [x.shape[-1]]."""
+    if x.is_cuda and torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        from model.kernels.triton_norm import rms_norm_supported, rms_norm_triton
+
+        if rms_norm_supported(x):
+            return rms_norm_triton(x, weight, eps)
     x_f32 = x.float()
     inv_rms = torch.rsqrt(x_f32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x_f32 * inv_rms * (1.0 + weight.float())).to(x.dtype)

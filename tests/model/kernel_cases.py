@@ -36,6 +36,7 @@ GROUPS = {
         "attention_v6_nvfp4_matches_reference",
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
+    "norm": ["rms_norm_matches_torch"],
     "moe": [
         "moe_grouping_kernel_equals_torch",
         "moe_matches_reference",
@@ -422,6 +423,37 @@ def attention_v6_nvfp4_matches_reference(device):
                     return False, f"N={N} G={G} /{calib} dense={is_dense}: max err {err} ({scale})"
                 if empty and not is_dense and not torch.equal(got[0, :G], torch.zeros_like(got[0, :G])):
                     return False, f"group with no selected block must give zeros, got {got[0, :G]}"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------ norm
+def rms_norm_matches_torch(device):
+    """`rms_norm_triton` against `model.layers.norm.rms_norm`'s torch arithmetic: [R, D] rows, a
+    [T, H, D] per-head slice of a packed projection (leading strides that do not collapse), a
+    non-power-of-two width with a masked tail, several programs with a partial last one, and rows
+    of very different scales; fp32 within 4e-6 relative, bf16 within one bf16 ulp (two roundings of
+    values a few fp32 ulps apart)."""
+    from model.kernels.triton_norm import rms_norm_triton
+    from model.layers.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(22)
+    packed = torch.randn(37, 3 * 4 * 64, generator=gen)
+    cases = [
+        ("rows", torch.randn(70, 96, generator=gen) * torch.exp(2 * torch.randn(70, 1, generator=gen))),
+        ("heads of a packed qkv", packed[:, 4 * 64 : 8 * 64].view(37, 4, 64)),
+        ("wide", torch.randn(3, 1536, generator=gen)),
+    ]
+    for name, x in cases:
+        w = 0.1 * torch.randn(x.shape[-1], generator=gen)
+        for dtype, tol in ((torch.float32, 4e-6), (torch.bfloat16, 2**-7 * 1.01)):  # bf16: one ulp
+            xd = x.to(dtype)
+            want = rms_norm(xd, w, 1e-6).float()  # CPU tensors: the torch path
+            got = rms_norm_triton(xd.to(device), w.to(device), 1e-6)
+            if got.shape != xd.shape or got.dtype != dtype or not got.is_contiguous():
+                return False, f"{name} {dtype}: got {tuple(got.shape)} {got.dtype}"
+            err = ((got.float().cpu() - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+            if not err <= tol:
+                return False, f"{name} {dtype}: max relative error {err} > {tol}"
     return True, ""
 
 

@@ -1,0 +1,69 @@
+"""Triton Gemma RMSNorm for inference: one launch per norm instead of the torch path's ~8.
+
+Why: at decode every norm (residual stream, and per head on q, k, index_q, index_k: six per sparse
+layer) is a chain of small kernels (casts, square, mean, add, rsqrt, two multiplies, cast), about a
+quarter of the launches of a graph-captured `small` step; here a row is read once, reduced in
+registers and written once. Used by `model.layers.norm.rms_norm` in inference mode (the engines)
+when torch.compile is not tracing (Inductor fuses the torch path itself).
+
+Invariants: `rms_norm`'s arithmetic in fp32 (mean of squares, + eps, 1 / sqrt, x * inv * (1 + w),
+one cast at the end); the sum runs in another order than torch's mean and the sqrt and divide are
+correctly rounded, so fp32 results agree to a few ulps and bf16 ones to one bf16 rounding.
+Inputs [R, D] or [T, H, D] with unit last stride (any leading strides: q / k slices of a packed
+projection); the output is a new contiguous tensor of the input's shape and dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.triton_common import opaque_to_compile
+
+ROW_ELEMENTS = 4096  # values per program: 32 rows of a head (128), one row of M3.1's 6144-wide stream
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, stride_xt, stride_xh, eps,
+                     D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D_P2)
+    is_r = offs_r < n_rows
+    is_d = offs_d < D
+    mask = is_r[:, None] & is_d[None, :]
+    r64 = offs_r.to(tl.int64)
+    row_off = (r64 // H) * stride_xt + (r64 % H) * stride_xh
+    x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / D
+    inv = tl.math.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    w1 = 1.0 + tl.load(w_ptr + offs_d, mask=is_d, other=0.0).to(tl.float32)
+    y = x * inv[:, None] * w1[None, :]
+    tl.store(out_ptr + r64[:, None] * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_supported(x: torch.Tensor) -> bool:
+    """2-D or 3-D inputs with unit last stride (the kernel's row addressing)."""
+    return x.dim() in (2, 3) and x.stride(-1) == 1 and x.numel() > 0
+
+
+@opaque_to_compile
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim of x ([R, D] or [T, H, D], unit last stride); see the module notes."""
+    if not rms_norm_supported(x):
+        raise ValueError(f"rms_norm_triton: need a 2-D or 3-D input with unit last stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm_triton: weight must be [{D}], got {tuple(weight.shape)}")
+    if x.dim() == 2:
+        H, stride_t, stride_h = 1, x.stride(0), 0
+    else:
+        H, stride_t, stride_h = x.shape[1], x.stride(0), x.stride(1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = out.numel() // D
+    d_p2 = triton.next_power_of_2(D)
+    rows = max(1, ROW_ELEMENTS // d_p2)
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        x, weight, out, n_rows, H, stride_t, stride_h, eps, D=D, D_P2=d_p2, ROWS=rows,
+        num_warps=4 if d_p2 <= 2048 else 8,
+    )  # fmt: skip
+    return out
