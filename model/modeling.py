@@ -82,9 +82,10 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         block_tables_BP: torch.Tensor,
         seq_lens_B: torch.Tensor,
+        shared: dict | None = None,
     ) -> torch.Tensor:
         h_TD = x_TD + self.self_attn.forward_cached(
-            self.input_layernorm(x_TD), positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B
+            self.input_layernorm(x_TD), positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
         )
         return h_TD + self._ffn(h_TD)
 
@@ -281,8 +282,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 raise ValueError("image_features_NE given to a model without a vision tower")
             is_image_T1 = (input_ids_T == self.vision.config.image_token_id).unsqueeze(-1)
             x_TD = x_TD.masked_scatter(is_image_T1, image_features_NE.to(x_TD.dtype))
+        shared: dict = {}  # per-step tables the layers compute once (RoPE cos / sin, slot mapping)
         for layer in self.model.layers:
-            x_TD = layer.forward_cached(x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B)
+            x_TD = layer.forward_cached(
+                x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
+            )
         if logits_indices is not None:
             x_TD = x_TD[logits_indices]
         return self.lm_head(self.model.norm(x_TD)).float()

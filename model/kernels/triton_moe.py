@@ -28,6 +28,7 @@ from model.kernels.triton_common import (
     num_sms,
     opaque_to_compile,
     safe_do_bench,
+    triton_available,
     tune_class,
     use_hw_casts,
 )
@@ -298,10 +299,11 @@ def _group_by_expert(
     ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [MB * block_rows] int32 slot or -1, block_expert [MB] int32 expert or -1), on device, no
-    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`). On CUDA
-    up to GROUP_MAX_SLOTS slots: `_group_kernel` (one launch, equal to the torch twin)."""
+    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`). Where
+    Triton runs (CUDA, the interpreter) up to GROUP_MAX_SLOTS slots: `_group_kernel` (one launch,
+    equal to the torch twin)."""
     S = ids_S.numel()
-    if ids_S.device.type != "cuda" or not 0 < S <= GROUP_MAX_SLOTS:
+    if not triton_available(ids_S) or not 0 < S <= GROUP_MAX_SLOTS:
         return group_by_expert_torch(ids_S, n_experts, block_rows=block_rows)
     return group_by_expert_triton(ids_S, n_experts, block_rows=block_rows)
 

@@ -67,3 +67,69 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         num_warps=4 if d_p2 <= 2048 else 8,
     )  # fmt: skip
     return out
+
+
+# `_rms_norm_rope_kernel`: the norm above, then partial NeoX RoPE on its output (model.layers.rope):
+# channel j < R pairs with j + R, R <= j < 2R with j - R, the rest pass through. The partner channel's
+# normed value is recomputed from a second (cached) load of the same row, so no register shuffle is
+# needed; the normed values are rounded to the input dtype before rotating, as the two torch ops do.
+@triton.jit
+def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_xt, stride_xh,
+                          stride_ct, eps, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
+                          ROWS: tl.constexpr):  # fmt: skip
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D_P2)
+    is_r = offs_r < n_rows
+    is_d = offs_d < D
+    mask = is_r[:, None] & is_d[None, :]
+    r64 = offs_r.to(tl.int64)
+    t = r64 // H
+    row_ptr = x_ptr + t * stride_xt + (r64 % H) * stride_xh
+    x = tl.load(row_ptr[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / D
+    inv = tl.math.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    w1 = 1.0 + tl.load(w_ptr + offs_d, mask=is_d, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    y = (x * inv[:, None] * w1[None, :]).to(dt).to(tl.float32)
+    is_lo = offs_d < R
+    is_rot = offs_d < 2 * R
+    partner = tl.where(is_lo, offs_d + R, tl.where(is_rot, offs_d - R, offs_d))
+    xp = tl.load(row_ptr[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    wp1 = 1.0 + tl.load(w_ptr + partner, mask=is_d, other=0.0).to(tl.float32)
+    yp = (xp * inv[:, None] * wp1[None, :]).to(dt).to(tl.float32)
+    cs_off = t[:, None] * stride_ct + (offs_d % R)[None, :]
+    cs_mask = mask & is_rot[None, :]
+    c = tl.load(cos_ptr + cs_off, mask=cs_mask, other=1.0)
+    s = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
+    out = y * c + tl.where(is_lo, -1.0, 1.0)[None, :] * (yp * s)
+    tl.store(out_ptr + r64[:, None] * D + offs_d[None, :], out.to(dt), mask=mask)
+
+
+def rms_norm_rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x [T, H, D] with unit last stride and cos [T, R] (2R <= D) fp32 with unit last stride."""
+    return (
+        x.dim() == 3 and x.stride(-1) == 1 and x.numel() > 0 and cos.dim() == 2
+        and cos.shape[0] == x.shape[0] and 2 * cos.shape[1] <= x.shape[2]
+        and cos.dtype == torch.float32 and cos.stride(-1) == 1
+    )  # fmt: skip
+
+
+@opaque_to_compile
+def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`apply_rope(rms_norm(x, weight, eps), cos, sin)` in one launch for x [T, H, D], cos / sin
+    [T, R] fp32 (`rope_cos_sin` of the T positions); a new contiguous tensor in x's dtype."""
+    if not rms_norm_rope_supported(x, cos) or sin.shape != cos.shape or sin.stride() != cos.stride():
+        raise ValueError(f"rms_norm_rope_triton: need x [T, H, D] and fp32 cos / sin [T, R] with 2R <= D, "
+                         f"got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")  # fmt: skip
+    T, H, D = x.shape
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm_rope_triton: weight must be [{D}], got {tuple(weight.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    d_p2 = triton.next_power_of_2(D)
+    rows = max(1, ROW_ELEMENTS // d_p2)
+    _rms_norm_rope_kernel[(triton.cdiv(T * H, rows),)](
+        x, weight, cos, sin, out, T * H, H, x.stride(0), x.stride(1), cos.stride(0), eps,
+        D=D, D_P2=d_p2, R=cos.shape[1], ROWS=rows, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -25,7 +25,7 @@ from model.kernels.sparse_attention import (
 )
 from model.kv_cache import DEFAULT_KV_SCALE, KVCache, KVDtype, check_kv_dtype, kv_quant_dequant, slot_mapping
 from model.layers.norm import RMSNorm
-from model.layers.rope import apply_rope, rope_cos_sin
+from model.layers.rope import norm_rope, rope_cos_sin
 from model.parallel.context_parallel import DCPKVCache
 
 # Legend: B batch, S sequence, T flattened tokens, D model dim, H query heads, N kv heads (= index
@@ -141,20 +141,26 @@ class Attention(nn.Module):
         """(k_scale, v_scale, index_k_scale): give them to `KVCache.set_scales` for this layer."""
         return self.k_scale, self.v_scale, self.index_k_scale
 
-    def _project(self, x_LD: torch.Tensor, positions_L: torch.Tensor):
+    def _project(self, x_LD: torch.Tensor, positions_L: torch.Tensor, shared: dict | None = None):
         """q [L.., H, C], k/v [L.., N, C], index q [L.., N, I] and index k [L.., I] (None on dense
-        layers) for tokens with any leading shape L.."""
+        layers) for tokens with any leading shape L... `shared`: one engine step's tables every layer
+        reuses (`step_shared`); the RoPE cos / sin are computed by the first layer that needs them."""
         lead = x_LD.shape[:-1]
-        cos, sin = rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta)
-        q = apply_rope(self.q_norm(self.q_proj(x_LD).view(*lead, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x_LD).view(*lead, self.num_kv_heads, self.head_dim)), cos, sin)
+        if shared is None:
+            cos, sin = rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta)
+        else:
+            if "rope" not in shared:
+                shared["rope"] = rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta)
+            cos, sin = shared["rope"]
+        q = norm_rope(self.q_norm, self.q_proj(x_LD).view(*lead, self.num_heads, self.head_dim), cos, sin)
+        k = norm_rope(self.k_norm, self.k_proj(x_LD).view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x_LD).view(*lead, self.num_kv_heads, self.head_dim)
         if not self.is_sparse:
             return q, k, v, None, None
         N, I = self.num_kv_heads, self.index_head_dim  # noqa: E741
-        index_q = self.index_q_norm(self.index_q_proj(x_LD).view(*lead, N, I))
-        index_k = self.index_k_norm(self.index_k_proj(x_LD).view(*lead, 1, I))
-        return q, k, v, apply_rope(index_q, cos, sin), apply_rope(index_k, cos, sin)[..., 0, :]
+        index_q = norm_rope(self.index_q_norm, self.index_q_proj(x_LD).view(*lead, N, I), cos, sin)
+        index_k = norm_rope(self.index_k_norm, self.index_k_proj(x_LD).view(*lead, 1, I), cos, sin)
+        return q, k, v, index_q, index_k[..., 0, :]
 
     # ------------------------------------------------------------------ training forward
     def forward(
@@ -292,6 +298,7 @@ class Attention(nn.Module):
         cache: KVCache,
         block_tables_BP: torch.Tensor,
         seq_lens_B: torch.Tensor,
+        shared: dict | None = None,
     ) -> torch.Tensor:
         """One engine step for T flattened tokens -> [T, D].
 
@@ -299,14 +306,15 @@ class Attention(nn.Module):
         positions_T: their positions; seq_idx_T: their sequence's row in block_tables_BP;
         seq_lens_B: each sequence's length after this step (every position < it is cached once
         this step's tokens are appended). Appends before attending, so tokens of one step see
-        each other causally.
+        each other causally. `shared`: a dict the step's layers share (the model's `forward_cached`
+        passes one): RoPE cos / sin and slot mapping are computed by the first layer, reused after.
         """
         if x_TD.ndim != 2:
             raise ValueError(f"x_TD must be [T, D], got {tuple(x_TD.shape)}")
         if cache.page_size != self.block_size:
             raise ValueError(f"cache page size {cache.page_size} != sparse block size {self.block_size}")
         T = x_TD.shape[0]
-        q, k, v, index_q, index_k = self._project(x_TD, positions_T)
+        q, k, v, index_q, index_k = self._project(x_TD, positions_T, shared)
         if isinstance(cache, DCPKVCache):  # decode-context parallel: this rank holds 1/W of the pages
             out_THC = cache.attend_cached(
                 self.layer_idx, q, k, v, index_q, index_k, block_tables_BP=block_tables_BP,
@@ -314,7 +322,12 @@ class Attention(nn.Module):
                 softmax_scale=self.softmax_scale,
             )  # fmt: skip
             return self.o_proj(out_THC.reshape(T, self.num_heads * self.head_dim))
-        slots_T = slot_mapping(block_tables_BP, seq_idx_T, positions_T, cache.page_size)
+        if shared is not None and "slots" in shared:
+            slots_T = shared["slots"]
+        else:
+            slots_T = slot_mapping(block_tables_BP, seq_idx_T, positions_T, cache.page_size)
+            if shared is not None:
+                shared["slots"] = slots_T
         cache.append(self.layer_idx, slots_T, k, v, index_k)
         selected_TNK = None
         if self.is_sparse:

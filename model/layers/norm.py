@@ -12,13 +12,22 @@ log-probs share one arithmetic) and outside torch.compile, the same arithmetic r
 launch (`model.kernels.triton_norm`: another summation order, so a few fp32 ulps).
 """
 
+import os
+
 import torch
 from torch import nn
 
 
+def triton_inference_path(x: torch.Tensor) -> bool:
+    """Whether the norm (and the fused norm + RoPE) of `x` takes its Triton launch: inference mode,
+    CUDA (or the interpreter: CPU tests), torch.compile not tracing."""
+    is_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return is_triton and torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim of `x`; `weight` has shape [x.shape[-1]]."""
-    if x.is_cuda and torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+    if triton_inference_path(x):
         from model.kernels.triton_norm import rms_norm_supported, rms_norm_triton
 
         if rms_norm_supported(x):

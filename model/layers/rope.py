@@ -9,11 +9,15 @@ Invariants:
 - cos/sin are computed in fp32 from integer positions of any shape: angle = pos * theta^(-2i/r),
   i < r/2. fp32 represents every position up to 2^24 exactly (max_position_embeddings is 2^19).
 - `apply_rope` rotates in fp32 and casts back to the input dtype.
+- `norm_rope` = apply_rope(norm(x)); where the norm takes its Triton launch (inference on CUDA) both
+  run as one (`model.kernels.triton_norm.rms_norm_rope_triton`, the same roundings up to fp32 order).
 
 Legend: R = rotary_dim // 2 (number of frequencies), C = head dim.
 """
 
 import torch
+
+from model.layers.norm import RMSNorm, triton_inference_path
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,3 +48,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x2 = x_f32[..., half : 2 * half]
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_f32[..., 2 * half :]], dim=-1)
     return rotated.to(x.dtype)
+
+
+def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope(norm(x), cos, sin)`: one Triton launch for x [T, H, C] on the engines' path."""
+    if triton_inference_path(x):
+        from model.kernels.triton_norm import rms_norm_rope_supported, rms_norm_rope_triton
+
+        if rms_norm_rope_supported(x, cos):
+            return rms_norm_rope_triton(x, norm.weight, norm.eps, cos, sin)
+    return apply_rope(norm(x), cos, sin)

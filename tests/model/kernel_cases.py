@@ -36,7 +36,7 @@ GROUPS = {
         "attention_v6_nvfp4_matches_reference",
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
-    "norm": ["rms_norm_matches_torch"],
+    "norm": ["rms_norm_matches_torch", "rms_norm_rope_matches_torch"],
     "moe": [
         "moe_grouping_kernel_equals_torch",
         "moe_matches_reference",
@@ -454,6 +454,40 @@ def rms_norm_matches_torch(device):
             err = ((got.float().cpu() - want).abs() / want.abs().clamp_min(1e-30)).max().item()
             if not err <= tol:
                 return False, f"{name} {dtype}: max relative error {err} > {tol}"
+    return True, ""
+
+
+def rms_norm_rope_matches_torch(device):
+    """`rms_norm_rope_triton` against `apply_rope(rms_norm(x))` in torch: q / k heads sliced from a
+    packed projection, the index key's single head, partial rotation (R < D / 2) and full (2R = D),
+    positions up to 2^19; fp32 within 1e-5 of each row's scale, bf16 within two bf16 ulps of it (the
+    normed values are rounded to bf16 before rotating in both: that rounding and the output's can
+    each land one ulp apart)."""
+    from model.kernels.triton_norm import rms_norm_rope_triton
+    from model.layers.norm import rms_norm
+    from model.layers.rope import apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(23)
+    T = 21
+    pos = torch.randint(0, 1 << 19, (T,), generator=gen)
+    packed = torch.randn(T, 6 * 128, generator=gen)
+    cases = [
+        ("q heads", packed[:, : 4 * 128].view(T, 4, 128), 64),
+        ("k head", packed[:, 4 * 128 : 5 * 128].view(T, 1, 128), 64),
+        ("full rotation", torch.randn(T, 2, 32, generator=gen), 32),
+    ]
+    for name, x, rot in cases:
+        cos, sin = rope_cos_sin(pos, rot, 5e6)
+        w = 0.1 * torch.randn(x.shape[-1], generator=gen)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-6 * 1.01)):
+            xd = x.to(dtype)
+            want = apply_rope(rms_norm(xd, w, 1e-6), cos, sin).float()
+            got = rms_norm_rope_triton(xd.to(device), w.to(device), 1e-6, cos.to(device), sin.to(device))
+            if got.shape != xd.shape or got.dtype != dtype:
+                return False, f"{name} {dtype}: got {tuple(got.shape)} {got.dtype}"
+            err = ((got.float().cpu() - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
+            if not err <= tol:
+                return False, f"{name} {dtype}: max error {err} of the row scale > {tol}"
     return True, ""
 
 
