@@ -7,7 +7,8 @@ torch op that would launch a CUDA kernel passes the dispatcher. Counted per all-
 (the step CUDA graphs capture): Triton launches, and torch ops that compute (views, metadata ops,
 empty allocations and casts that return their input are not kernels). The baseline in the same run is
 the same step outside inference mode, where the norms and RoPE take their torch ops instead of the
-fused Triton launches (every other kernel is the same).
+fused Triton launches (every other kernel is the same). One overcount: the sampler's noise takes
+its torch twin on CPU tensors (about 20 ops here, one launch on CUDA).
 
     TRITON_INTERPRET=1 python benchmarks/launch_count.py [--preset tiny] [--batch 4] [--json OUT]
 
