@@ -23,18 +23,31 @@ ROW_ELEMENTS = 4096  # values per program: 32 rows of a head (128), one row of M
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, stride_xt, stride_xh, eps,
-                     D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _row_block(n_rows, H, stride_xt, stride_xh, D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ROWS rows of the [T, H, D] input (row r = token r // H, head r % H): (row index
+    int64, token index, element offset of each row, column offsets, column mask, [ROWS, D_P2] mask)."""
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, D_P2)
-    is_r = offs_r < n_rows
     is_d = offs_d < D
-    mask = is_r[:, None] & is_d[None, :]
+    mask = (offs_r < n_rows)[:, None] & is_d[None, :]
     r64 = offs_r.to(tl.int64)
-    row_off = (r64 // H) * stride_xt + (r64 % H) * stride_xh
-    x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    t = r64 // H
+    return r64, t, t * stride_xt + (r64 % H) * stride_xh, offs_d, is_d, mask
+
+
+@triton.jit
+def _inv_rms(x, eps, D: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) per row of fp32 x (masked columns hold 0), correctly rounded."""
     mean_sq = tl.sum(x * x, axis=1) / D
-    inv = tl.math.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    return tl.math.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, stride_xt, stride_xh, eps,
+                     D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    r64, _, row_off, offs_d, is_d, mask = _row_block(n_rows, H, stride_xt, stride_xh, D, D_P2, ROWS)
+    x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = _inv_rms(x, eps, D)
     w1 = 1.0 + tl.load(w_ptr + offs_d, mask=is_d, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w1[None, :]
     tl.store(out_ptr + r64[:, None] * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -77,17 +90,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_xt, stride_xh,
                           stride_ct, eps, D: tl.constexpr, D_P2: tl.constexpr, R: tl.constexpr,
                           ROWS: tl.constexpr):  # fmt: skip
-    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs_d = tl.arange(0, D_P2)
-    is_r = offs_r < n_rows
-    is_d = offs_d < D
-    mask = is_r[:, None] & is_d[None, :]
-    r64 = offs_r.to(tl.int64)
-    t = r64 // H
-    row_ptr = x_ptr + t * stride_xt + (r64 % H) * stride_xh
+    r64, t, row_off, offs_d, is_d, mask = _row_block(n_rows, H, stride_xt, stride_xh, D, D_P2, ROWS)
+    row_ptr = x_ptr + row_off
     x = tl.load(row_ptr[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=1) / D
-    inv = tl.math.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+    inv = _inv_rms(x, eps, D)
     w1 = 1.0 + tl.load(w_ptr + offs_d, mask=is_d, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     y = (x * inv[:, None] * w1[None, :]).to(dt).to(tl.float32)
