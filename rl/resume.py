@@ -57,6 +57,16 @@ def find_resume(resume: str | None, run_dir: Path) -> dict[str, Any] | None:
     return state
 
 
+def kept_log_step(resume: str | None, state: dict[str, Any] | None) -> int | None:
+    """The last step whose metrics / samples rows a (re)started run keeps (`Tracker(resume_step=)`):
+    the checkpoint's step; -1 (none) when a resume found no checkpoint, since the run starts over and
+    re-logs what an attempt killed before its first checkpoint wrote (step-0 evals included); None
+    (append) without a resume."""
+    if state is not None:
+        return state["step"]
+    return -1 if resume else None
+
+
 def restore_run_state(trainer, state: dict[str, Any]) -> None:
     """Put a checkpoint's state back into `trainer`: learners, step, data cursor, driver RNG."""
     import ray

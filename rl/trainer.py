@@ -23,7 +23,7 @@ from rl import grpo
 from rl.config import TrainConfig, config_to_dict, save_config
 from rl.faults import maybe_fail
 from rl.replicas import fetch
-from rl.resume import find_resume, restore_run_state, resume_hint, save_run_state
+from rl.resume import find_resume, kept_log_step, restore_run_state, resume_hint, save_run_state
 from rl.rewards import reward_error_metrics
 from rl.run_adapter import export_run_adapter
 from rl.topology import Topology, TrainingAborted, prepare_base, start_ray
@@ -61,7 +61,7 @@ class Trainer:
         self.tracker = Tracker(
             cfg.tracking, self.run_dir, config_to_dict(cfg),
             resume_run_id=(resume_state or {}).get("wandb_run_id"),
-            resume_step=(resume_state or {}).get("step"),
+            resume_step=kept_log_step(cfg.resume, resume_state),
         )  # fmt: skip
 
         t0 = time.perf_counter()

@@ -112,6 +112,23 @@ def test_resume_continues_the_same_run_id_and_drops_lines_after_the_checkpoint(w
     assert [h["reward/mean"] for h in second["history"]] == [12.0, 13.0]
 
 
+def test_a_resume_without_a_checkpoint_drops_what_the_killed_attempt_logged(tmp_path):
+    """Killed between its first metrics row and its first checkpoint, a run resumed with resume=auto
+    starts over: the rows it will re-log (a step-0 eval among them) must not stay twice."""
+    from rl.resume import kept_log_step
+
+    assert kept_log_step(None, None) is None  # no resume: append
+    assert kept_log_step("auto", {"step": 4}) == 4
+    first = Tracker(TrackingSection(mode="disabled"), tmp_path, {})
+    first.log(0, {"eval/acc": 0.1})
+    first.log(1, {"reward/mean": -1.0})
+    first.finish()
+    again = Tracker(TrackingSection(mode="disabled"), tmp_path, {}, resume_step=kept_log_step("auto", None))
+    again.log(0, {"eval/acc": 0.1})
+    again.finish()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "eval/acc": 0.1}]
+
+
 def test_disabled_tracking_writes_jsonl_only(tmp_path):
     tr = Tracker(TrackingSection(mode="disabled"), tmp_path, {})
     tr.log(0, {"reward/mean": 0.5})
