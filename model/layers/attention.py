@@ -93,6 +93,15 @@ def _selection_mask(selected_BNQK: torch.Tensor, block_BS: torch.Tensor, NB: int
     return keep_BNQB.gather(-1, block_BS[:, None, None, :].expand(B, N, Q, block_BS.shape[1]))
 
 
+def _once(shared: dict | None, key: str, compute):
+    """`compute()`, kept in `shared` (one engine step's per-step tables) so later layers reuse it."""
+    if shared is None:
+        return compute()
+    if key not in shared:
+        shared[key] = compute()
+    return shared[key]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -143,15 +152,9 @@ class Attention(nn.Module):
 
     def _project(self, x_LD: torch.Tensor, positions_L: torch.Tensor, shared: dict | None = None):
         """q [L.., H, C], k/v [L.., N, C], index q [L.., N, I] and index k [L.., I] (None on dense
-        layers) for tokens with any leading shape L... `shared`: one engine step's tables every layer
-        reuses (`step_shared`); the RoPE cos / sin are computed by the first layer that needs them."""
+        layers) for tokens with any leading shape L... `shared`: see `forward_cached`."""
         lead = x_LD.shape[:-1]
-        if shared is None:
-            cos, sin = rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta)
-        else:
-            if "rope" not in shared:
-                shared["rope"] = rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta)
-            cos, sin = shared["rope"]
+        cos, sin = _once(shared, "rope", lambda: rope_cos_sin(positions_L, self.rotary_dim, self.rope_theta))
         q = norm_rope(self.q_norm, self.q_proj(x_LD).view(*lead, self.num_heads, self.head_dim), cos, sin)
         k = norm_rope(self.k_norm, self.k_proj(x_LD).view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x_LD).view(*lead, self.num_kv_heads, self.head_dim)
@@ -322,12 +325,9 @@ class Attention(nn.Module):
                 softmax_scale=self.softmax_scale,
             )  # fmt: skip
             return self.o_proj(out_THC.reshape(T, self.num_heads * self.head_dim))
-        if shared is not None and "slots" in shared:
-            slots_T = shared["slots"]
-        else:
-            slots_T = slot_mapping(block_tables_BP, seq_idx_T, positions_T, cache.page_size)
-            if shared is not None:
-                shared["slots"] = slots_T
+        slots_T = _once(
+            shared, "slots", lambda: slot_mapping(block_tables_BP, seq_idx_T, positions_T, cache.page_size)
+        )
         cache.append(self.layer_idx, slots_T, k, v, index_k)
         selected_TNK = None
         if self.is_sparse:

@@ -12,17 +12,18 @@ log-probs share one arithmetic) and outside torch.compile, the same arithmetic r
 launch (`model.kernels.triton_norm`: another summation order, so a few fp32 ulps).
 """
 
-import os
-
 import torch
 from torch import nn
 
 
 def triton_inference_path(x: torch.Tensor) -> bool:
     """Whether the norm (and the fused norm + RoPE) of `x` takes its Triton launch: inference mode,
-    CUDA (or the interpreter: CPU tests), torch.compile not tracing."""
-    is_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return is_triton and torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+    torch.compile not tracing, and Triton available for x (`triton_common.triton_available`)."""
+    if not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+        return False
+    from model.kernels.triton_common import triton_available  # imports Triton: only on this path
+
+    return triton_available(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
