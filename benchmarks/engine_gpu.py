@@ -3,7 +3,8 @@ Hugging Face transformers' MiniMax-M3 port, in one run.
 
 Per config (preset, batch): decode ms per step = (long run - short run) / (extra tokens) of the same batch
 (prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
-decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s.
+decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s;
+the touched floor counts only the routed experts a batch is expected to reach (uniform routing).
 Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
 CPU `static`, the same padded passes without capture), `compiled` (graphs of torch.compile'd passes).
 The peer (`MiniMaxM3VLForCausalLM.generate`, greedy, bf16 experts, dynamic and static cache) runs on the
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.config import ModelConfig
+from model.layers.moe import ExpertBank
 from model.modeling import MiniMaxM3ForCausalLM
 from rollout.engine import Request, SamplingParams
 from rollout.native import NativeEngine
@@ -130,8 +132,11 @@ def replay_only_ms(eng: NativeEngine, batch: int, device: torch.device, n: int =
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int]:
-    """(seconds, weight bytes, KV bytes): every parameter / buffer byte once + what attention reads."""
+def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float, int, int, float]:
+    """(seconds, weight bytes, KV bytes, seconds of the touched-expert floor): every parameter / buffer
+    byte once + what attention reads; the last counts of each routed expert bank only the experts a
+    batch is expected to touch under uniform top-k routing, E * (1 - (1 - K / E)^batch) of E (at batch
+    8 of 128 experts top-4, 29: the all-weights floor then overstates the bytes a step must read)."""
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     cfg, cache = model.config, eng.cache
     kv = 0
@@ -139,7 +144,13 @@ def bytes_floor_s(model, eng: NativeEngine, batch: int, ctx: int) -> tuple[float
         keys = ctx if not cfg.is_sparse_layer(i) else min(ctx, cfg.index_topk_blocks * cfg.index_block_size)
         kv += keys * cache.bytes_per_token(i) + ctx * cache.index_bytes_per_token(i)
     kv *= batch
-    return (weights + kv) / HBM_BYTES_PER_S, weights, kv
+    untouched = 0.0
+    for mod in model.modules():
+        if isinstance(mod, ExpertBank):
+            E, K = mod.num_experts, cfg.num_experts_per_tok
+            bank = sum(t.numel() * t.element_size() for t in [*mod.parameters(), *mod.buffers()])
+            untouched += bank * (1 - K / E) ** batch
+    return (weights + kv) / HBM_BYTES_PER_S, weights, kv, (weights - untouched + kv) / HBM_BYTES_PER_S
 
 
 def _dynamo_counts(mode: str) -> dict:
@@ -201,7 +212,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     t_short = timed(lambda: eng.generate(reqs_short), device, args.repeats)
     t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
     step_s = (t_long - t_short) / (args.long - args.short)
-    floor_s, w_bytes, kv_bytes = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
+    floor_s, w_bytes, kv_bytes, touched_s = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
     busy, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
     replay_ms = replay_only_ms(eng, B, device)
     row = {
@@ -210,7 +221,8 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
         "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
         "gpu_busy": busy, "kernels_per_step": kernels,
         "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
-        "kv_bytes": kv_bytes, "graph_error": eng.runner.graph_error,
+        "kv_bytes": kv_bytes, "touched_floor_ms": 1e3 * touched_s, "over_touched_floor": step_s / touched_s,
+        "graph_error": eng.runner.graph_error,
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
         "replay_ms": replay_ms, "host_ms": None if replay_ms is None else 1e3 * step_s - replay_ms,
         "warmup_s": warmup_s, "compile_error": eng.runner.compile_error, **_dynamo_counts(mode),
@@ -312,19 +324,27 @@ def main() -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
         del hf
-    print("\n| preset | batch | mode | decode ms | replay ms | tok/s | GPU busy | floor ms | x floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| preset | batch | mode | decode ms | replay ms | tok/s | GPU busy | floor ms | x floor "
+        "| touched floor ms | x touched |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | | |")
+            print(f"| {r['preset']} | {r['batch']} | {r['mode']} | failed: {r['error'][:80]} | | | | | | | |")
             continue
         busy = "" if r.get("gpu_busy") is None else f"{100 * r['gpu_busy']:.0f}%"
         floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else ""
         over = f"{r['over_floor']:.1f}x" if "over_floor" in r else ""
+        touched = (
+            f"{r['touched_floor_ms']:.3f} | {r['over_touched_floor']:.1f}x"
+            if "touched_floor_ms" in r
+            else " |"
+        )
         replay = f"{r['replay_ms']:.3f}" if r.get("replay_ms") is not None else ""
         print(f"| {r['preset']} | {r['batch']} | {r['mode']} | {r['decode_ms']:.3f} | {replay} | "
               f"{r['tok_s']:.0f} | "
-              f"{busy} | {floor} | {over} |")  # fmt: skip
+              f"{busy} | {floor} | {over} | {touched} |")  # fmt: skip
 
 
 if __name__ == "__main__":
