@@ -84,10 +84,34 @@ class DecoderLayer(nn.Module):
         seq_lens_B: torch.Tensor,
         shared: dict | None = None,
     ) -> torch.Tensor:
-        h_TD = x_TD + self.self_attn.forward_cached(
-            self.input_layernorm(x_TD), positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
+        h_TD, out_TD = self.forward_cached_split(
+            x_TD, None, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
         )
-        return h_TD + self._ffn(h_TD)
+        return h_TD + out_TD
+
+    def forward_cached_split(
+        self,
+        x_TD: torch.Tensor,
+        pending_TD: torch.Tensor | None,
+        positions_T: torch.Tensor,
+        seq_idx_T: torch.Tensor,
+        cache: KVCache,
+        block_tables_BP: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        shared: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_cached` of x_TD + pending_TD (the previous layer's FFN output not yet added; None:
+        x_TD alone) as (h_TD, ffn_out_TD), the last residual add left to the caller: every residual
+        add then runs with the norm after it (`RMSNorm.add_forward`, one launch on the engine path)."""
+        if pending_TD is None:
+            normed_TD = self.input_layernorm(x_TD)
+        else:
+            x_TD, normed_TD = self.input_layernorm.add_forward(x_TD, pending_TD)
+        attn_TD = self.self_attn.forward_cached(
+            normed_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
+        )
+        h_TD, normed_TD = self.post_attention_layernorm.add_forward(x_TD, attn_TD)
+        return h_TD, self.ffn(normed_TD)
 
 
 class MiniMaxM3Model(nn.Module):
@@ -283,13 +307,17 @@ class MiniMaxM3ForCausalLM(nn.Module):
             is_image_T1 = (input_ids_T == self.vision.config.image_token_id).unsqueeze(-1)
             x_TD = x_TD.masked_scatter(is_image_T1, image_features_NE.to(x_TD.dtype))
         shared: dict = {}  # per-step tables the layers compute once (RoPE cos / sin, slot mapping)
+        pending_TD = None  # the last layer's FFN output, added to the stream by the next norm's launch
         for layer in self.model.layers:
-            x_TD = layer.forward_cached(
-                x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
+            x_TD, pending_TD = layer.forward_cached_split(
+                x_TD, pending_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
             )
         if logits_indices is not None:
             x_TD = x_TD[logits_indices]
-        return self.lm_head(self.model.norm(x_TD)).float()
+            pending_TD = None if pending_TD is None else pending_TD[logits_indices]
+        if pending_TD is None:
+            return self.lm_head(self.model.norm(x_TD)).float()
+        return self.lm_head(self.model.norm.add_forward(x_TD, pending_TD)[1]).float()
 
     # ------------------------------------------------------------------ bookkeeping
     def num_parameters(self) -> int:

@@ -10,14 +10,16 @@ Invariants: `rms_norm`'s arithmetic in fp32 (mean of squares, + eps, 1 / sqrt, x
 one cast at the end); the sum runs in another order than torch's mean and the sqrt and divide are
 correctly rounded, so fp32 results agree to a few ulps and bf16 ones to one bf16 rounding.
 Inputs [R, D] or [T, H, D] with unit last stride (any leading strides: q / k slices of a packed
-projection); the output is a new contiguous tensor of the input's shape and dtype.
+projection); the output is a new contiguous tensor of the input's shape and dtype. The same launch
+also takes the residual add before a norm (`add_rms_norm_triton`: the sum rounded to the stream's
+dtype, as torch's add, is stored and normalised).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.triton_common import opaque_to_compile
+from model.kernels.triton_common import f32_to_bf16, opaque_to_compile, use_hw_casts
 
 ROW_ELEMENTS = 4096  # values per program: 32 rows of a head (128), one row of M3.1's 6144-wide stream
 
@@ -43,14 +45,22 @@ def _inv_rms(x, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, stride_xt, stride_xh, eps,
-                     D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, n_rows, H, stride_xt, stride_xh, eps,
+                     D: tl.constexpr, D_P2: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr,
+                     SUM_BF16: tl.constexpr, HW: tl.constexpr):  # fmt: skip
     r64, _, row_off, offs_d, is_d, mask = _row_block(n_rows, H, stride_xt, stride_xh, D, D_P2, ROWS)
-    x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    out_off = r64[:, None] * D + offs_d[None, :]
+    if ADD:  # the residual add first, rounded to the stream's dtype as torch's add rounds it
+        r = tl.load(res_ptr + out_off, mask=mask, other=0.0)
+        x = x.to(tl.float32) + r.to(tl.float32)
+        x = f32_to_bf16(x, HW) if SUM_BF16 else x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + out_off, x, mask=mask)
+    x = x.to(tl.float32)
     inv = _inv_rms(x, eps, D)
     w1 = 1.0 + tl.load(w_ptr + offs_d, mask=is_d, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w1[None, :]
-    tl.store(out_ptr + r64[:, None] * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_supported(x: torch.Tensor) -> bool:
@@ -58,12 +68,7 @@ def rms_norm_supported(x: torch.Tensor) -> bool:
     return x.dim() in (2, 3) and x.stride(-1) == 1 and x.numel() > 0
 
 
-@opaque_to_compile
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim of x ([R, D] or [T, H, D], unit last stride); see the module notes."""
-    if not rms_norm_supported(x):
-        raise ValueError(f"rms_norm_triton: need a 2-D or 3-D input with unit last stride, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+def _launch_norm(x, weight, eps, res=None, total=None) -> torch.Tensor:
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rms_norm_triton: weight must be [{D}], got {tuple(weight.shape)}")
@@ -75,11 +80,42 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     n_rows = out.numel() // D
     d_p2 = triton.next_power_of_2(D)
     rows = max(1, ROW_ELEMENTS // d_p2)
+    is_add = res is not None
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        x, weight, out, n_rows, H, stride_t, stride_h, eps, D=D, D_P2=d_p2, ROWS=rows,
+        x, res if is_add else x, total if is_add else out, weight, out, n_rows, H, stride_t, stride_h, eps,
+        D=D, D_P2=d_p2, ROWS=rows, ADD=is_add, SUM_BF16=x.dtype == torch.bfloat16, HW=use_hw_casts(),
         num_warps=4 if d_p2 <= 2048 else 8,
     )  # fmt: skip
     return out
+
+
+@opaque_to_compile
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim of x ([R, D] or [T, H, D], unit last stride); see the module notes."""
+    if not rms_norm_supported(x):
+        raise ValueError(f"rms_norm_triton: need a 2-D or 3-D input with unit last stride, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    return _launch_norm(x, weight, eps)
+
+
+def add_rms_norm_supported(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """x and y [R, D] of one shape and dtype, y contiguous, x with unit last stride."""
+    return (
+        x.dim() == 2 and x.shape == y.shape and x.dtype == y.dtype and x.numel() > 0
+        and x.stride(-1) == 1 and y.is_contiguous()
+    )  # fmt: skip
+
+
+@opaque_to_compile
+def add_rms_norm_triton(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x + y, rms_norm(x + y)) for x, y [R, D] in one launch: the sum rounded to their dtype first
+    (as torch's add), then the norm of that rounded sum; both new contiguous tensors."""
+    if not add_rms_norm_supported(x, y):
+        raise ValueError(f"add_rms_norm_triton: need x, y [R, D] of one dtype (y contiguous), got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")  # fmt: skip
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return total, _launch_norm(x, weight, eps, res=y, total=total)
 
 
 # `_rms_norm_rope_kernel`: the norm above, then partial NeoX RoPE on its output (model.layers.rope):

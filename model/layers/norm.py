@@ -38,6 +38,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x_f32 * inv_rms * (1.0 + weight.float())).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + y, rms_norm(x + y, weight, eps)): a residual add and the norm after it (one Triton launch
+    on the inference path; the same values as the two ops)."""
+    if triton_inference_path(x):
+        from model.kernels.triton_norm import add_rms_norm_supported, add_rms_norm_triton
+
+        if add_rms_norm_supported(x, y):
+            return add_rms_norm_triton(x, y, weight, eps)
+    total = x + y
+    return total, rms_norm(total, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """Gemma RMSNorm with a zero-initialised `weight` (the checkpoint stores w, not 1 + w)."""
 
@@ -50,6 +62,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, self(x + y)) (`add_rms_norm`)."""
+        return add_rms_norm(x, y, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

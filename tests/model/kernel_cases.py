@@ -36,7 +36,7 @@ GROUPS = {
         "attention_v6_nvfp4_matches_reference",
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
-    "norm": ["rms_norm_matches_torch", "rms_norm_rope_matches_torch"],
+    "norm": ["rms_norm_matches_torch", "rms_norm_rope_matches_torch", "add_rms_norm_equals_add_then_norm"],
     "moe": [
         "moe_grouping_kernel_equals_torch",
         "moe_matches_reference",
@@ -488,6 +488,40 @@ def rms_norm_rope_matches_torch(device):
             err = ((got.float().cpu() - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
             if not err <= tol:
                 return False, f"{name} {dtype}: max error {err} of the row scale > {tol}"
+    return True, ""
+
+
+def add_rms_norm_equals_add_then_norm(device):
+    """`add_rms_norm_triton(x, y)` = (x + y, rms_norm_triton(x + y)) bit for bit: the stored sum is
+    torch's add (rounded once to the stream's dtype) and the norm is the same launch's arithmetic on
+    that rounded sum; x a strided view (a row slice of a wider buffer), a masked tail, several
+    programs; fp32 and bf16; and the torch fallback `add_rms_norm` returns the same pair."""
+    from model.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
+    from model.layers.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(24)
+    wide = torch.randn(45, 160, generator=gen)
+    cases = [("rows", torch.randn(70, 96, generator=gen)), ("strided rows", wide[:, 16:112]),
+             ("wide", torch.randn(3, 1536, generator=gen))]  # fmt: skip
+    for name, x in cases:
+        y = torch.randn(x.shape, generator=gen) * 3
+        w = 0.1 * torch.randn(x.shape[-1], generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, yd, wd = x.to(dtype).to(device), y.to(dtype).to(device), w.to(device)
+            total, normed = add_rms_norm_triton(xd, yd, wd, 1e-6)
+            want_total = xd + yd
+            want_normed = rms_norm_triton(want_total, wd, 1e-6)
+            if not torch.equal(total, want_total):
+                return False, f"{name} {dtype}: the stored sum differs from x + y"
+            if not torch.equal(normed, want_normed):
+                return False, f"{name} {dtype}: the norm of the sum differs from rms_norm_triton(x + y)"
+            ref_total, ref_normed = add_rms_norm(xd.cpu(), yd.cpu(), w, 1e-6)  # not inference mode: torch
+            err = (normed.float().cpu() - ref_normed.float()).abs() / ref_normed.float().abs().clamp_min(
+                1e-30
+            )
+            tol = 4e-6 if dtype == torch.float32 else 2**-7 * 1.01
+            if not torch.equal(ref_total, total.cpu()) or not err.max().item() <= tol:
+                return False, f"{name} {dtype}: torch fallback differs (max rel. error {err.max().item()})"
     return True, ""
 
 
