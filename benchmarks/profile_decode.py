@@ -9,7 +9,10 @@ profiles exactly one launch per (kernel, cache format) and nothing of the set-up
 script: decode_kernels.py times hundreds of launches (autotune, graphs, baselines) that would each be
 replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GEMV 6144 x 6144).
 
-Usage: python benchmarks/profile_decode.py [--only indexer attention gemv] [--batch 64] [--context 131072]
+`--only moe` profiles the routed experts' two v6 launches (fused gate/up + swigluoai, then down) at
+M3.1-Flash widths for --batch tokens (random top-k ids, every token K distinct experts).
+
+Usage: python benchmarks/profile_decode.py [--only indexer attention gemv moe] [--batch 64] [--context 131072]
        [--variants v2 v6]   (each op profiles the named versions it has, else its default: indexer v6,
        attention v6; attention v2 vs v6: --only attention --variants v2 v6)
 """
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.kernels.triton_gemv import nvfp4_linear_triton
 from model.kernels.triton_indexer import index_select_blocks_triton
+from model.kernels.triton_moe import moe_nvfp4_triton
 from model.kernels.triton_sparse_attention import sparse_attention_triton
 from model.kv_cache import PagedKV
 
@@ -35,7 +39,12 @@ from decode_kernels import OP_VARIANTS, random_nvfp4, random_pages, tables
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="*", default=["indexer", "attention", "gemv"])
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=["indexer", "attention", "gemv"],
+        choices=["indexer", "attention", "gemv", "moe"],
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6"])
@@ -93,6 +102,22 @@ def main() -> None:
             x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
             launches.append((f"gemv w4a16 m={m}", lambda x=x: nvfp4_linear_triton(x, packed, scales, sc2)))
             launches.append((f"gemv bf16 m={m}", lambda x=x: F.linear(x, w)))
+    if "moe" in args.only:
+        E, D, K, F_ = (
+            cfg.num_local_experts,
+            cfg.hidden_size,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+        )
+        w1, w3 = random_nvfp4(E, F_, D, device), random_nvfp4(E, F_, D, device)
+        w2 = random_nvfp4(E, D, F_, device)
+        x = torch.randn(B, D, device=device, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(B)])
+        wts = torch.rand(B, K, device=device)
+        kw = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+        launches.append(
+            (f"moe routed v6 T={B}", lambda: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, **kw, variant="v6"))
+        )
     for _, fn in launches:  # autotune + compile outside the profiled range
         fn()
         fn()
