@@ -1,4 +1,4 @@
-"""Decode-kernel benchmark: Triton NVFP4 KV append, indexer, sparse attention and W4A16 MoE on an H200.
+"""Decode-kernel benchmark: Triton KV append, indexer, sparse attention and W4A16 MoE on an H200.
 
 Prints per kernel and shape the median time, bytes that must move, bandwidth, % of the 4.17 TB/s copy
 roofline and the target ratios of docs/PERFORMANCE.md ("Targets"), each measured side by side in this
@@ -29,7 +29,7 @@ from model.kernels.triton_indexer import (
     _index_scores_v6_tuned,
     index_select_blocks_triton,
 )
-from model.kernels.triton_kv_append import nvfp4_append
+from model.kernels.triton_kv_append import kv_append, kv_append_ref
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
 from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
@@ -38,7 +38,7 @@ from model.kernels.triton_sparse_attention import (
     _sparse_attn_v6_tuned,
     sparse_attention_triton,
 )
-from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, quantize_kv, stored_width
+from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, stored_width
 from model.layers.moe import ExpertBank
 
 # Targets timed: indexer NVFP4 vs FP8 index keys (>= 1.7x), sparse attention NVFP4 vs FP8 cache
@@ -434,27 +434,29 @@ def run_moe_layer(cfg: ModelConfig, device, T: int = 64, variants: tuple = ("v2"
 
 # ------------------------------------------------------------------------------------------ append
 def run_append(cfg: ModelConfig, device, T: int = 64) -> None:
-    N, C, page = cfg.num_key_value_heads, cfg.head_dim, cfg.index_block_size
-    pages = torch.zeros(T * 2, 2 * N, page, stored_width("nvfp4", C), dtype=torch.uint8, device=device)
-    k = torch.randn(T, N, C, device=device, dtype=torch.bfloat16)
+    """One sparse layer's whole append (NVFP4 K and V, bf16 index keys): the fused launch vs the torch
+    path (quantize + scatter per cache), bytes checked equal first."""
+    N, C, Ci, page = cfg.num_key_value_heads, cfg.head_dim, cfg.index_head_dim, cfg.index_block_size
+
+    def views():
+        kv_pages = torch.zeros(T * 2, 2 * N, page, stored_width("nvfp4", C), dtype=torch.uint8, device=device)
+        idx_pages = torch.zeros(T * 2, page, Ci, dtype=torch.bfloat16, device=device)
+        scale = torch.tensor(0.01, device=device)
+        return PagedKV(kv_pages, "nvfp4", scale, scale, C), PagedIndex(idx_pages, "bf16", scale, Ci)
+
+    k, v = (torch.randn(T, N, C, device=device, dtype=torch.bfloat16) for _ in range(2))
+    idx_k = torch.randn(T, Ci, device=device, dtype=torch.bfloat16)
     slots = torch.randperm(T * 2 * page, device=device)[:T]
-    scale = torch.tensor(0.01, device=device)
-    t = bench(lambda: nvfp4_append(k, slots, scale, pages, 2, 0))
-    heads = torch.arange(N, device=device) * 2
-
-    def torch_append():
-        st = quantize_kv(k, "nvfp4", scale)
-        pages[slots[:, None] // page, heads[None, :], slots[:, None] % page] = st
-
-    t_torch = bench(torch_append)
-    record(
-        "append",
-        f"T={T} N={N} C={C}",
-        "triton nvfp4 (K side)",
-        t,
-        k.nbytes + T * N * 72,
-        speedup_vs_torch=round(t_torch / t, 1),
-    )
+    (kv, index), (kv_ref, index_ref) = views(), views()
+    kv_append(slots, kv, k, v, index, idx_k)
+    kv_append_ref(slots, kv_ref, k, v, index_ref, idx_k)
+    assert torch.equal(kv.pages, kv_ref.pages) and torch.equal(index.pages, index_ref.pages)
+    t = bench(lambda: kv_append(slots, kv, k, v, index, idx_k))
+    t_graph = bench_graph(lambda: kv_append(slots, kv, k, v, index, idx_k))
+    t_torch = bench(lambda: kv_append_ref(slots, kv_ref, k, v, index_ref, idx_k))
+    n_bytes = k.nbytes + v.nbytes + 2 * T * N * stored_width("nvfp4", C) + 2 * idx_k.nbytes  # read + write
+    record("append", f"T={T} N={N} C={C} Ci={Ci}", "triton fused K + V + index (one launch)", t, n_bytes,
+           graph_us=round(t_graph, 2), speedup_vs_torch=round(t_torch / t, 1))  # fmt: skip
 
 
 def main() -> None:

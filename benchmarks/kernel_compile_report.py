@@ -30,9 +30,10 @@ from pathlib import Path
 # of a latency-bound loop): how the loop's loads are pipelined (TTGIR "sync" or "async xD"), programs
 # resident per SM, and HBM bytes in flight per SM = programs x D x tile bytes. Cases: each indexer /
 # attention cache format, NVFP4 in both decode versions, over the configurations those launches
-# autotune; 72-byte NVFP4 row strides get no divisibility hint, as at run time. --mem adds the loop's
-# memory instructions by opcode (LDG.64 / LDG.128 / LDGSTS, STS.U16 / STS.128, LDSM) and the register
-# layouts of the big global loads (TTGIR): the evidence for how the page loads are coalesced.
+# autotune, and the one-launch KV append; 72-byte NVFP4 row strides get no divisibility hint, as at
+# run time. --mem adds the loop's memory instructions by opcode (LDG.64 / LDG.128 / LDGSTS, STS.U16 /
+# STS.128, LDSM) and the register layouts of the big global loads (TTGIR): the evidence for how the
+# page loads are coalesced.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -396,12 +397,34 @@ def attention_cases() -> list[Case]:
     return out
 
 
+def append_cases() -> list[Case]:
+    """The one-launch KV append (K, V and the index key of a layer), M3.1 rows (C = Ci = 128, 4 KV
+    heads, 128-token pages), per K/V x index format the engine uses: no loop, so the columns that
+    matter are registers and spills. NVFP4 rows are 72 bytes: their stride gets no divisibility hint."""
+    from model.kernels import triton_kv_append as ka
+
+    fmts = {"fp32": (0, "fp32"), "bf16": (1, "bf16"), "fp8": (2, "u8"), "nvfp4": (3, "u8")}
+    out = []
+    for kv, index in (("nvfp4", "bf16"), ("nvfp4", "nvfp4"), ("nvfp4", "fp8"), ("nvfp4", None),
+                      ("bf16", "bf16"), ("fp8", "fp8")):  # fmt: skip
+        i_fmt, i_elem = fmts[index or kv]  # an absent part's constexprs copy the other's (as the wrapper)
+        ptrs = dict(slot_ptr="i64", k_ptr="bf16", v_ptr="bf16", k_scale_ptr="fp32", v_scale_ptr="fp32",
+                    kv_ptr=fmts[kv][1], i_ptr="bf16", i_scale_ptr="fp32", idx_ptr=i_elem)  # fmt: skip
+        consts = dict(KV_ROWS=8, HAS_INDEX=index is not None, C=128, C_P2=128, KV_FMT=fmts[kv][0], CI=128,
+                      CI_P2=128, I_FMT=i_fmt, HW=True)  # fmt: skip
+        div = {"stride_kvo": 1 if kv == "nvfp4" else 16, "stride_io": 1 if index == "nvfp4" else 16}
+        out.append(Case(f"kv append K/V {kv} + index {index}", ka._kv_append_kernel, consts, ptrs,
+                        divisibility=div))  # fmt: skip
+    return out
+
+
 GROUPS = {
     "gemv": gemv_cases,
     "moe": lambda: tile_cases(linear=False),
     "moe_gemv": moe_gemv_cases,
     "indexer": indexer_cases,
     "attention": attention_cases,
+    "append": append_cases,
 }
 
 

@@ -8,8 +8,9 @@ block_table[p // page] * page_size + p % page. NVFP4 rows are vLLM's MiniMax-M3 
 
 Invariants: `gather` returns exactly `kv_quant_dequant` of the appended values (the training-side
 simulation is the same function bit for bit); rollback is the caller keeping a shorter length (stale
-slots are never read and are overwritten by the next append); no host syncs in append / gather; CUDA
-NVFP4 appends (`model.kernels.triton_kv_append`) are byte-identical to `quantize_kv`; under
+slots are never read and are overwritten by the next append); no host syncs in append / gather; the
+Triton append (`model.kernels.triton_kv_append`: one launch stores a layer's K, V and index keys in
+fp32 / bf16 / fp8 / NVFP4) is byte-identical to `quantize_kv` for finite inputs; under
 `static_shapes()` (padded decode, CUDA-graph capture) the paged ops size their work from host-known
 bounds (table width x page).
 """
@@ -38,7 +39,7 @@ from model.config import ModelConfig
 
 try:  # Triton is optional on CPU machines: without it appends take the torch path.
     from model.kernels.triton_common import triton_available
-    from model.kernels.triton_kv_append import nvfp4_append
+    from model.kernels.triton_kv_append import APPEND_DTYPES, kv_append
 except ImportError:  # pragma: no cover - depends on the install
     triton_available = None
 
@@ -112,11 +113,12 @@ def kv_quant_dequant(x: torch.Tensor, dtype: KVDtype, scale: torch.Tensor) -> to
 
 
 def _triton_append_ok(dtype: KVDtype, x: torch.Tensor) -> bool:
-    """The fused Triton append serves plain NVFP4 (the 4-over-6 writer stays on the torch path) on
-    CUDA, or on the CPU under TRITON_INTERPRET=1, for rows contiguous in their last dim."""
+    """The fused Triton append serves fp32 / bf16 / fp8 / plain NVFP4 caches (the 4-over-6 writer stays
+    on the torch path) on CUDA, or on the CPU under TRITON_INTERPRET=1, for rows contiguous in their
+    last dim."""
     return (
-        dtype == "nvfp4"
-        and triton_available is not None
+        triton_available is not None
+        and dtype in APPEND_DTYPES
         and triton_available(x)
         and x.stride(-1) == 1
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -307,34 +309,33 @@ class KVCache:
             raise ValueError(f"layer {layer} is sparse: append needs index_k_TC [T, {self.index_head_dim}]")
         if not is_sparse and index_k_TC is not None:
             raise ValueError(f"layer {layer} is a full-attention layer (no index cache): pass no index_k_TC")
-        page_T = slot_mapping_T.long() // self.page_size
-        offset_T = slot_mapping_T.long() % self.page_size
-        kv_dtype = self.kv_dtypes[layer]
-        if _triton_append_ok(kv_dtype, k_TNC):
-            # One fused quantize-and-store launch per side (bytes identical to the torch path).
-            nvfp4_append(k_TNC, slot_mapping_T, self.scales[layer, 0], self.kv[layer], 2, 0)
-            nvfp4_append(v_TNC, slot_mapping_T, self.scales[layer, 1], self.kv[layer], 2, 1)
-            if is_sparse:
-                self._append_index(layer, slot_mapping_T, page_T, offset_T, index_k_TC)
-            return
-        k_st = quantize_kv(k_TNC, kv_dtype, self.scales[layer, 0])
-        v_st = quantize_kv(v_TNC, kv_dtype, self.scales[layer, 1])
-        kv_T2NX = torch.stack([k_st, v_st], dim=2).reshape(T, 2 * N, -1)  # slot 2*head + side
-        heads = torch.arange(2 * N, device=page_T.device)
-        self.kv[layer][page_T[:, None], heads[None, :], offset_T[:, None]] = kv_T2NX
-        if is_sparse:
-            self._append_index(layer, slot_mapping_T, page_T, offset_T, index_k_TC)
-
-    def _append_index(self, layer, slot_mapping_T, page_T, offset_T, index_k_TC) -> None:
-        T = slot_mapping_T.shape[0]
-        if tuple(index_k_TC.shape) != (T, self.index_head_dim):
+        if is_sparse and tuple(index_k_TC.shape) != (T, self.index_head_dim):
             raise ValueError(f"index_k_TC has shape {tuple(index_k_TC.shape)}, expected "
                              f"(T={T}, Ci={self.index_head_dim})")  # fmt: skip
-        if _triton_append_ok(self.index_dtype, index_k_TC):
-            nvfp4_append(index_k_TC[:, None, :], slot_mapping_T, self.scales[layer, 2], self.index[layer])
+        kv_dtype = self.kv_dtypes[layer]
+        # One launch stores every part the Triton kernel writes (K, V and the index key in the common
+        # case); a part it does not (the 4-over-6 writer, no Triton) takes the torch path below.
+        use_kv = _triton_append_ok(kv_dtype, k_TNC) and _triton_append_ok(kv_dtype, v_TNC)
+        use_kv = use_kv and k_TNC.dtype == v_TNC.dtype
+        use_index = is_sparse and _triton_append_ok(self.index_dtype, index_k_TC)
+        if use_kv or use_index:
+            kv_view = self.kv_view(layer) if use_kv else None
+            index_view = self.index_view(layer) if use_index else None
+            kv_append(slot_mapping_T, kv_view, k_TNC, v_TNC, index_view, index_k_TC)
+        if use_kv and (use_index or not is_sparse):
             return
-        idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
-        self.index[layer][page_T, offset_T] = idx_st
+        # Torch path; slot -> (page, offset) only here: the kernel splits slots itself.
+        slot_T = slot_mapping_T.long()
+        page_T, offset_T = slot_T // self.page_size, slot_T % self.page_size
+        if not use_kv:
+            k_st = quantize_kv(k_TNC, kv_dtype, self.scales[layer, 0])
+            v_st = quantize_kv(v_TNC, kv_dtype, self.scales[layer, 1])
+            kv_T2NX = torch.stack([k_st, v_st], dim=2).reshape(T, 2 * N, -1)  # slot 2*head + side
+            heads = torch.arange(2 * N, device=page_T.device)
+            self.kv[layer][page_T[:, None], heads[None, :], offset_T[:, None]] = kv_T2NX
+        if is_sparse and not use_index:
+            idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
+            self.index[layer][page_T, offset_T] = idx_st
 
     # --------------------------------------------------------------------------- read
     def gather(

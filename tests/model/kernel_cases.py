@@ -9,6 +9,9 @@ Every check uses random data, ragged sequence lengths, several shapes, and outpu
 (NaN or an impossible id) beforehand, so a missed write fails.
 """
 
+import dataclasses
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -71,57 +74,166 @@ def _rows(lens, rows_per, gen):
 
 
 # ------------------------------------------------------------------------------------------ append
+def _poisoned_pages(dtype, shape, gen):
+    """Cache pages full of garbage (random bytes; NaN for float storage), so a missed write fails."""
+    from model.kv_cache import _TORCH_STORAGE
+
+    storage = _TORCH_STORAGE[dtype]
+    if storage == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    return torch.full(shape, float("nan"), dtype=storage)
+
+
+def _append_values(shape, x_dtype, gen):
+    """Random rows over a wide range plus the edge cases: an all-zero block, a saturating value, tiny
+    (fp8-subnormal) values; strided in the head dim's parent (a slice of a wider tensor)."""
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)[..., : shape[-1]]
+    x *= torch.exp(2 * torch.randn(*shape[:-1], 1, generator=gen))
+    x.view(-1, shape[-1])[0, :16] = 0
+    x.view(-1, shape[-1])[-1, 0] = 1e4
+    x.view(-1, shape[-1])[-1, 1:4] = torch.tensor([3e-5, -6e-5, 1.2e-5])  # fp8 subnormals at scale 0.0071
+    return x.to(x_dtype)
+
+
+def _slot_patterns(n_slots, page, T, gen):
+    """Slot mappings of T tokens (T + 2 < n_slots / 2): shuffled (non-contiguous pages and offsets),
+    one contiguous run across a page boundary, and every other slot (strided)."""
+    return {
+        "shuffled": torch.randperm(n_slots, generator=gen)[:T],
+        "contiguous": torch.arange(page - 2, page - 2 + T),
+        "strided": torch.arange(T) * 2 + 1,
+    }
+
+
 def append_bytes_equal_kv_quantize(device):
-    from model.kernels.triton_kv_append import nvfp4_append, nvfp4_append_ref
+    """kv_append (one launch: K, V, index key) stores the bytes of kv_append_ref (quantize_kv +
+    scatter) for every K/V x index dtype pair, a full-attention layer (no index), an index-only call,
+    several head dims / page sizes / slot patterns and float input dtypes."""
+    from model.kernels.triton_kv_append import APPEND_DTYPES, kv_append, kv_append_ref
+    from model.kv_cache import PagedIndex, PagedKV, stored_width
 
     gen = torch.Generator().manual_seed(1)
-    for C, N, T, n_pages, page, x_dtype, paged_kv in [
-        (128, 4, 9, 5, 16, torch.bfloat16, True),
-        (32, 2, 7, 4, 16, torch.float32, True),
-        (48, 1, 5, 3, 8, torch.bfloat16, False),
-    ]:
-        x = (torch.randn(T, N, C, generator=gen) * torch.exp(torch.randn(T, N, 1, generator=gen))).to(x_dtype)
-        x[0, 0, :16] = 0  # an all-zero block: scale 0, codes 0
-        x[1, 0, 0] = 1e4  # a saturating value
-        slots = torch.randperm(n_pages * page, generator=gen)[:T]
-        scale = torch.tensor(0.0071)
-        shape = (n_pages, 2 * N, page, C // 2 + C // 16) if paged_kv else (n_pages, page, C // 2 + C // 16)
-        got = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-        want = got.clone()
-        side = (2, 1) if paged_kv else (1, 0)
-        nvfp4_append(x.to(device), slots.to(device), scale.to(device), (got := got.to(device)), *side)
-        nvfp4_append_ref(x, slots, scale, want, *side)
-        if not torch.equal(got.cpu(), want):
-            n_bad = int((got.cpu() != want).sum())
-            return False, f"C={C} N={N}: {n_bad} bytes differ from kv_quantize"
+    shapes = [  # C, N, Ci, page, n_pages, T, x dtype
+        (128, 4, 128, 16, 5, 6, torch.bfloat16),
+        (32, 2, 48, 8, 4, 7, torch.float32),
+        (48, 1, 32, 4, 6, 5, torch.float16),
+    ]
+    pairs = [(kv, ix) for kv in (*APPEND_DTYPES, None) for ix in (*APPEND_DTYPES, None) if kv or ix]
+    for C, N, Ci, page, n_pages, T, x_dtype in shapes:
+        k, v = _append_values((T, N, C), x_dtype, gen), _append_values((T, N, C), x_dtype, gen)
+        idx_k = _append_values((T, Ci), x_dtype, gen)
+        scales = [torch.tensor(s) for s in (0.0071, 0.013, 0.0029)]
+        patterns = _slot_patterns(n_pages * page, page, T, gen)
+        # Every dtype pair on shuffled slots; the other patterns on the engine's pairs (interpreter time).
+        runs = [(pair, "shuffled") for pair in pairs]
+        runs += itertools.product(
+            [("nvfp4", "bf16"), ("nvfp4", "nvfp4"), ("nvfp4", None)], ["contiguous", "strided"]
+        )
+        for (kv_dtype, index_dtype), pattern in runs:
+            slots = patterns[pattern]
+            kv = index = None
+            if kv_dtype:
+                pages = _poisoned_pages(kv_dtype, (n_pages, 2 * N, page, stored_width(kv_dtype, C)), gen)
+                kv = PagedKV(pages, kv_dtype, scales[0], scales[1], C)
+            if index_dtype:
+                pages = _poisoned_pages(index_dtype, (n_pages, page, stored_width(index_dtype, Ci)), gen)
+                index = PagedIndex(pages, index_dtype, scales[2], Ci)
+            want = [None if w is None else dataclasses.replace(w, pages=w.pages.clone()) for w in (kv, index)]
+            dev = [None if g is None else _to_device(g, device) for g in (kv, index)]
+            kv_append_ref(slots, want[0], k, v, want[1], idx_k)
+            kv_append(slots.to(device), dev[0], k.to(device), v.to(device), dev[1], idx_k.to(device))
+            for part, d, w in (("K/V", dev[0], want[0]), ("index", dev[1], want[1])):
+                if w is not None and not torch.equal(
+                    d.pages.cpu().view(torch.uint8), w.pages.view(torch.uint8)
+                ):
+                    n_bad = int((d.pages.cpu().view(torch.uint8) != w.pages.view(torch.uint8)).sum())
+                    return False, (f"C={C} Ci={Ci} page={page} kv={kv_dtype} index={index_dtype} {pattern} "
+                                   f"{x_dtype}: {n_bad} {part} bytes differ from quantize_kv")  # fmt: skip
     return True, ""
 
 
+def _to_device(view, device):
+    """A PagedKV / PagedIndex with its pages and scales on `device` (copies)."""
+    scales = {f.name: getattr(view, f.name).to(device) for f in dataclasses.fields(view) if "scale" in f.name}
+    return dataclasses.replace(view, pages=view.pages.to(device), **scales)
+
+
+def _count_append_work(fn):
+    """(Triton kv-append launches, torch ops that would launch a kernel) of fn()."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.kernels import triton_kv_append as tka
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    kernel, launches = tka._kv_append_kernel, []
+    run = kernel.run
+
+    def counted(*a, **k):
+        launches.append(1)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return run(*a, **k)
+
+    kernel.run = counted
+    try:
+        with Ops() as ops:
+            fn()
+    finally:
+        del kernel.run  # back to the class's method
+    return len(launches), ops.names
+
+
 def kvcache_append_nvfp4_equals_torch_path(device):
-    from model import nvfp4
+    """KVCache.append on an NVFP4 cache stores quantize_kv's bytes for K, V and index keys in every
+    index dtype, in ONE kernel launch and no torch op (no slot // page, % page on the fused path); a
+    full-attention layer is one launch too; a 4-over-6 part keeps its torch path beside one launch
+    for the other part."""
     from model.config import ModelConfig
-    from model.kv_cache import KVCache
+    from model.kv_cache import KVCache, quantize_kv
 
     cfg = ModelConfig.preset("tiny")
-    cache = KVCache(cfg, num_pages=6, device=device, dtype="nvfp4", index_dtype="nvfp4")
-    cache.set_scales(1, 0.01, 0.02, 0.03)
-    T, N, C = 5, cfg.num_key_value_heads, cfg.head_dim
-    k, v = torch.randn(T, N, C), torch.randn(T, N, C)
-    idx = torch.randn(T, cfg.index_head_dim)
+    gen = torch.Generator().manual_seed(3)
+    T, N, C, Ci = 5, cfg.num_key_value_heads, cfg.head_dim, cfg.index_head_dim
+    k, v = torch.randn(T, N, C, generator=gen), torch.randn(T, N, C, generator=gen)
+    idx = torch.randn(T, Ci, generator=gen).to(torch.bfloat16)
     slots = torch.tensor([0, 17, 18, 40, 95])
-    cache.append(1, slots.to(device), k.to(device), v.to(device), idx.to(device))
-    page, off = slots // cache.page_size, slots % cache.page_size
-    kv = cache.kv[1].cpu()
-    ok = True
-    want_k = nvfp4.kv_quantize(k, 0.01, check_finite=False)
-    want_v = nvfp4.kv_quantize(v, 0.02, check_finite=False)
-    want_i = nvfp4.kv_quantize(idx, 0.03, check_finite=False)
-    for n in range(N):
-        ok &= torch.equal(kv[page, 2 * n, off], want_k[:, n]) and torch.equal(
-            kv[page, 2 * n + 1, off], want_v[:, n]
-        )
-    ok &= torch.equal(cache.index[1].cpu()[page, off], want_i)
-    return bool(ok), "" if ok else "KVCache.append bytes differ from nvfp4.kv_quantize"
+    page, off = slots // cfg.index_block_size, slots % cfg.index_block_size
+    cases = [  # K/V dtype, index dtype, layer (0 is full attention)
+        ("nvfp4", "nvfp4", 1), ("nvfp4", "fp8", 1), ("nvfp4", "bf16", 2), ("nvfp4", "fp32", 3),
+        ("nvfp4", "bf16", 0), ("nvfp4", "nvfp4_4over6", 3), ("nvfp4_4over6", "nvfp4", 1),
+    ]  # fmt: skip
+    for kv_dtype, index_dtype, layer in cases:
+        label = f"{kv_dtype} / {index_dtype} layer {layer}"
+        cache = KVCache(cfg, num_pages=6, device=device, dtype=kv_dtype, index_dtype=index_dtype)
+        cache.set_scales(layer, 0.01, 0.02, 0.03)
+        is_sparse = cache.index[layer] is not None
+        args = (slots.to(device), k.to(device), v.to(device), idx.to(device) if is_sparse else None)
+        n_launch, ops = _count_append_work(functools.partial(cache.append, layer, *args))
+        is_fused = "nvfp4_4over6" not in (kv_dtype, index_dtype if is_sparse else None)
+        if n_launch != 1 or (is_fused and ops):
+            return False, f"{label}: {n_launch} launches, torch ops {ops} (want 1 and none)"
+        kv = cache.kv[layer].cpu()
+        want_k = quantize_kv(k, kv_dtype, torch.tensor(0.01))
+        want_v = quantize_kv(v, kv_dtype, torch.tensor(0.02))
+        for n in range(N):
+            if not torch.equal(kv[page, 2 * n, off], want_k[:, n]):
+                return False, f"{label}: K bytes differ from quantize_kv"
+            if not torch.equal(kv[page, 2 * n + 1, off], want_v[:, n]):
+                return False, f"{label}: V bytes differ from quantize_kv"
+        if is_sparse:
+            want_i = quantize_kv(idx[:, None], index_dtype, torch.tensor(0.03))[:, 0]
+            got_i = cache.index[layer].cpu()[page, off]
+            if not torch.equal(got_i.view(torch.uint8), want_i.view(torch.uint8)):
+                return False, f"{label}: index bytes differ from quantize_kv"
+    return True, ""
 
 
 def fp8_dequant_bit_exact(device):
