@@ -44,6 +44,10 @@ GROUPS = {
         "linear_and_shared_expert_match",
         "gemv_v3_split_k_matches_reference",
     ],
+    "moe_glue": [
+        "router_selects_and_weights_like_torch",
+        "router_ties_take_the_lower_expert_id",
+    ],
 }
 
 
@@ -637,6 +641,111 @@ def gemv_v3_split_k_matches_reference(device):
     v3 = nvfp4_linear_triton(x, *args, variant="v3").float().cpu()
     if not (v3 - v2).abs().max() <= 2**-6 * v2.abs().max():
         return False, f"variant v3 vs v2: {(v3 - v2).abs().max()}"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------ moe glue
+def _poison_next_alloc(device, n_bytes):
+    """On CUDA, hand the caching allocator a freed NaN / -1 block of this size, so an output the kernel
+    forgets to write reads as garbage (CPU outputs are fresh allocations anyway)."""
+    if device == "cuda":
+        torch.full((max(n_bytes, 512) // 4,), float("nan"), device=device)
+
+
+def _same_bits(got, want):
+    """Exact equality as bit patterns (signed zeros told apart), NaNs matched as NaNs."""
+    got, want = got.cpu(), want.cpu()
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan_g, nan_w):
+        return False
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[got.dtype]
+    return torch.equal(got[~nan_g].view(ints), want[~nan_w].view(ints))
+
+
+def _ulps(got, want):
+    """Largest distance in units of the last place between finite same-dtype tensors (NaNs matched)."""
+    got, want = got.cpu(), want.cpu()
+    ok = ~(torch.isnan(got) | torch.isnan(want))
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[got.dtype]
+
+    def ordered(t):  # monotone integer image of the floats (sign-magnitude -> two's complement)
+        i = t[ok].view(ints).long()
+        return torch.where(i < 0, -(i & (2 ** (8 * t.element_size() - 1) - 1)), i)
+
+    return int((ordered(got) - ordered(want)).abs().max()) if ok.any() else 0
+
+
+def _router_problem(T, E, gen, device, x_dtype=torch.float32):
+    """Router logits of random tokens (through the fp32 GEMM, from x in x_dtype), the load-balancing
+    bias at the scale of the scores' spread: tie-free in practice."""
+    x = torch.randn(T, 64, generator=gen).to(x_dtype)
+    w = torch.randn(E, 64, generator=gen) * 0.2
+    logits = torch.nn.functional.linear(x.float(), w)
+    bias = torch.randn(E, generator=gen) * 0.05
+    return logits.to(device), bias.to(device)
+
+
+def router_selects_and_weights_like_torch(device):
+    """`router_topk_triton` against `select_experts_ref` on the same device: T = 1, 5, 64 tokens,
+    E = 8, 32, 128 experts (one program and several, a masked row tail), K = 1 .. 8 (non-powers of
+    two fold in the sum), logits from bf16 and fp32 tokens: the same expert ids in the same order,
+    and weights bit for bit on CUDA (torch's sigmoid and sum order); on the CPU within 4 fp32 ulps
+    (numpy's exp against Sleef's, and torch's CPU sum adds sequentially)."""
+    from model.kernels.triton_router import router_topk_triton
+    from model.layers.moe import select_experts_ref
+
+    gen = torch.Generator().manual_seed(31)
+    cases = [(T, E, K) for T in (1, 5, 64) for E in (8, 32, 128) for K in (2, 4, 8) if K <= E]
+    cases += [(5, 8, 1), (5, 32, 3), (64, 128, 6), (3, 256, 8)]
+    for T, E, K in cases:
+        for x_dtype in (torch.bfloat16, torch.float32):
+            logits, bias = _router_problem(T, E, gen, device, x_dtype)
+            scale = 2.0 if K != 3 else 2.5
+            want_ids, want_w = select_experts_ref(logits, bias, K, scale)
+            _poison_next_alloc(device, T * K * 8)
+            ids, w = router_topk_triton(logits, bias, K, scale)
+            tag = f"T={T} E={E} K={K} x {x_dtype}"
+            if (ids.dtype, w.dtype, ids.shape, w.shape) != (torch.int64, torch.float32, (T, K), (T, K)):
+                return False, f"{tag}: got {ids.dtype} {tuple(ids.shape)}, {w.dtype} {tuple(w.shape)}"
+            if not torch.equal(ids.cpu(), want_ids.cpu()):
+                bad = int((ids.cpu() != want_ids.cpu()).any(-1).sum())
+                return False, f"{tag}: expert ids differ in {bad} of {T} rows"
+            if device == "cuda" and not _same_bits(w, want_w):
+                return False, f"{tag}: weights not bit-exact, {_ulps(w, want_w)} ulps"
+            if device != "cuda" and not _ulps(w, want_w) <= 4:
+                return False, f"{tag}: weights {_ulps(w, want_w)} ulps from torch"
+    return True, ""
+
+
+def router_ties_take_the_lower_expert_id(device):
+    """Deliberate ties of the biased score (equal logits and bias): across the K boundary, among the
+    chosen and across all E. The kernel follows its rule: descending key, equal keys by ascending id
+    (a stable descending sort). torch.topk: on CUDA it selects the same set of experts here (checked);
+    on the CPU its heap may take any of the tied experts (not checked: the rule is documented in
+    `select_experts`)."""
+    from model.kernels.triton_router import router_topk_triton
+
+    for E, K in ((8, 2), (32, 4), (128, 4), (128, 8)):
+        logits = torch.zeros(4, E)
+        logits[0, [1, 3, 5]] = 1.0  # three-way tie at the top, K = 2 of them chosen (or all + others)
+        logits[1] = 0.5  # every expert tied
+        logits[2, [E - 1, 0]] = 2.0  # tied pair at the top, then one more, then E - 3 tied zeros
+        logits[2, E // 2] = 1.5
+        logits[3, [2, 6]] = torch.tensor(-1.0)  # a tie at the bottom; the rest tied above it
+        bias = torch.zeros(E)
+        bias[7] = -0.25  # expert 7 ranks below its tied peers whatever its logit
+        key = torch.sigmoid(logits) + bias
+        rule = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :K]
+        ids, w = router_topk_triton(logits.to(device), bias.to(device), K, 2.0)
+        if not torch.equal(ids.cpu(), rule):
+            return False, f"E={E} K={K}: ids {ids.cpu().tolist()} break the tie rule {rule.tolist()}"
+        s = torch.sigmoid(logits).gather(1, rule)
+        if not (w.cpu() - s / s.sum(-1, keepdim=True) * 2.0).abs().max() <= 1e-6:
+            return False, f"E={E} K={K}: weights {w.cpu().tolist()}"
+        if device == "cuda":
+            _, t_ids = torch.topk(key.to(device), K, dim=-1)
+            if not torch.equal(t_ids.sort(-1).values.cpu(), rule.sort(-1).values):
+                return False, f"E={E} K={K}: torch.topk took {t_ids.cpu().tolist()}, the rule {rule.tolist()}"
     return True, ""
 
 
