@@ -6,6 +6,8 @@ per-expert LoRA (the bank's `lora` hook) only. Dispatch, for an NVFP4 bank with 
 (or under TRITON_INTERPRET=1): inference without adapter -> `model.kernels.triton_moe`; gradients or
 an expert adapter -> `model.kernels.triton_moe_train`; everything else the torch path (slots sorted by
 expert, one call per expert group, fp32 scatter-add). `moe_experts_ref` is the spec (a plain loop).
+Also the activation `swigluoai` (experts, dense MLP, shared expert): `swigluoai_ref` in torch, one
+launch of `model.kernels.triton_swiglu` in inference mode.
 
 Invariants: every path uses element-for-element the same weights (dequantized to x's dtype); a token's
 K contributions are accumulated in fp32 and rounded once; the frozen storage never gets a gradient.
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from model.kernels.nvfp4_linear import nvfp4_linear
 from model.kv_cache import is_static_shapes
+from model.layers.norm import triton_inference_path
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
 # token-slots, M tokens of one expert group, I / O a projection's input / output features.
@@ -46,11 +49,22 @@ class ExpertDelta(Protocol):
     def __call__(self, e: int, proj: Proj, x_MI: torch.Tensor) -> torch.Tensor: ...
 
 
-def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def swigluoai_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """MiniMax's clamped SwiGLU: g * sigmoid(alpha * g) * (clamp(up, +-limit) + 1), g = min(gate, limit)."""
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`swigluoai_ref`; in inference mode one Triton launch (`model.kernels.triton_swiglu`, the same
+    bits on CUDA) where Triton runs. The one dispatch point for this op."""
+    if triton_inference_path(gate):
+        from model.kernels.triton_swiglu import swigluoai_supported, swigluoai_triton
+
+        if swigluoai_supported(gate, up):
+            return swigluoai_triton(gate, up, alpha, limit)
+    return swigluoai_ref(gate, up, alpha, limit)
 
 
 class _MXFP8Linear(torch.autograd.Function):
@@ -127,7 +141,7 @@ def moe_experts_ref(
             if bank.lora is not None:
                 gate_1F = gate_1F + bank.lora(e, "w1", x_1D)
                 up_1F = up_1F + bank.lora(e, "w3", x_1D)
-            act_1F = swigluoai(gate_1F, up_1F, bank.swiglu_alpha, bank.swiglu_limit)
+            act_1F = swigluoai_ref(gate_1F, up_1F, bank.swiglu_alpha, bank.swiglu_limit)
             y_1D = F.linear(act_1F, w2_DF)
             if bank.lora is not None:
                 y_1D = y_1D + bank.lora(e, "w2", act_1F)

@@ -47,6 +47,7 @@ GROUPS = {
     "moe_glue": [
         "router_selects_and_weights_like_torch",
         "router_ties_take_the_lower_expert_id",
+        "swigluoai_bit_exact_with_torch",
     ],
 }
 
@@ -746,6 +747,51 @@ def router_ties_take_the_lower_expert_id(device):
             _, t_ids = torch.topk(key.to(device), K, dim=-1)
             if not torch.equal(t_ids.sort(-1).values.cpu(), rule.sort(-1).values):
                 return False, f"E={E} K={K}: torch.topk took {t_ids.cpu().tolist()}, the rule {rule.tolist()}"
+    return True, ""
+
+
+def swigluoai_bit_exact_with_torch(device):
+    """`swigluoai_triton` against `swigluoai_ref` on the same device, bf16 and fp32, [T, F] for
+    T = 1, 5, 64 and F = 64, 256, 1000 (a masked tail), values past +-limit, exactly +-limit, huge
+    negatives (sigmoid 0: signed zeros), inf and NaN, and a limit that bf16 cannot hold: bit for bit
+    on CUDA; on the CPU, where the interpreter's exp (numpy) and torch's (Sleef) differ by a few fp32
+    ulps in ~40% of values, within 8 fp32 ulps, and in bf16 within 2 ulps in <= 2% of the values.
+    Also the dispatch: `swigluoai` takes the kernel in inference mode and the torch formula outside."""
+    from model.kernels.moe import swigluoai, swigluoai_ref
+    from model.kernels.triton_swiglu import swigluoai_triton
+
+    gen = torch.Generator().manual_seed(32)
+    for T in (1, 5, 64):
+        for F in (64, 256, 1000):
+            gate = torch.randn(T, F, generator=gen) * 4
+            up = torch.randn(T, F, generator=gen) * 4
+            special = torch.tensor([7.0, -7.0, 7.5, -1e30, float("inf"), float("-inf"), float("nan"), 0.0])
+            gate.view(-1)[: special.numel()] = special
+            up.view(-1)[-special.numel() :] = special
+            for dtype in (torch.bfloat16, torch.float32):
+                for alpha, limit in ((1.702, 7.0), (1.0, 7.01)):
+                    g, u = gate.to(dtype).to(device), up.to(dtype).to(device)
+                    want = swigluoai_ref(g, u, alpha, limit)
+                    _poison_next_alloc(device, g.numel() * g.element_size())
+                    got = swigluoai_triton(g, u, alpha, limit)
+                    tag = f"T={T} F={F} {dtype} alpha={alpha} limit={limit}"
+                    if got.dtype != dtype or got.shape != g.shape:
+                        return False, f"{tag}: got {got.dtype} {tuple(got.shape)}"
+                    if device == "cuda":
+                        if not _same_bits(got, want):
+                            return False, f"{tag}: not bit-exact, {_ulps(got, want)} ulps"
+                    else:  # numpy's exp and Sleef's are each within ~2 fp32 ulps, not the same ones
+                        n_diff = int((got != want).sum() - torch.isnan(want).sum())
+                        ulp_tol, frac = (2, 0.02) if dtype == torch.bfloat16 else (8, 1.0)
+                        if not (_ulps(got, want) <= ulp_tol and n_diff <= frac * got.numel()):
+                            return False, f"{tag}: {n_diff} values differ, up to {_ulps(got, want)} ulps"
+    g, u = gate.to(device), up.to(device)
+    with torch.inference_mode():
+        fast = swigluoai(g, u, 1.702, 7.0)
+    if not _same_bits(fast, swigluoai_triton(g, u, 1.702, 7.0)):
+        return False, "swigluoai in inference mode did not take the kernel"
+    if not _same_bits(swigluoai(g, u, 1.702, 7.0), swigluoai_ref(g, u, 1.702, 7.0)):
+        return False, "swigluoai outside inference mode did not take the torch formula"
     return True, ""
 
 
