@@ -524,10 +524,8 @@ class MoE(nn.Module):
             )
 
     def _experts(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
-        out_TD = moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
-        return out_TD
+        shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
+        return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts, shared_TD=shared_TD)
 
     def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [..., D] -> (out [..., D], RouterStats)."""

@@ -48,6 +48,7 @@ GROUPS = {
         "router_selects_and_weights_like_torch",
         "router_ties_take_the_lower_expert_id",
         "swigluoai_bit_exact_with_torch",
+        "moe_combine_bit_exact_with_torch",
     ],
 }
 
@@ -792,6 +793,56 @@ def swigluoai_bit_exact_with_torch(device):
         return False, "swigluoai in inference mode did not take the kernel"
     if not _same_bits(swigluoai(g, u, 1.702, 7.0), swigluoai_ref(g, u, 1.702, 7.0)):
         return False, "swigluoai outside inference mode did not take the torch formula"
+    return True, ""
+
+
+def _sum_4_accumulators(y_TKD):
+    """torch's CUDA `sum(1)` order for K < 16 slots, in torch ops: slot k into accumulator k % 4."""
+    acc = [torch.zeros_like(y_TKD[:, 0]) for _ in range(4)]
+    for k in range(y_TKD.shape[1]):
+        acc[k % 4] = acc[k % 4] + y_TKD[:, k]
+    return ((acc[0] + acc[1]) + acc[2]) + acc[3]
+
+
+def moe_combine_bit_exact_with_torch(device):
+    """`moe_combine` (slot sum, rounding, + shared expert: one launch) against the torch ops it
+    replaces (`moe_combine_ref`) on the same device, bit for bit: T = 1, 5, 64, D = 64 and 1000 (a
+    masked tail), K = 1, 2, 3, 4, 8, bf16 and fp32 out, with and without the shared term, slots of
+    mixed signs and scales (the sum order shows), a poisoned out. On the CPU, whose `sum(1)` adds
+    sequentially, K = 8 is checked against torch's CUDA order emulated instead. Then the wiring:
+    `moe_experts(..., shared_TD=s)` on the NVFP4 kernel path equals `moe_experts(...) + s` exactly."""
+    from model.kernels.moe import moe_experts
+    from model.kernels.triton_moe_combine import moe_combine, moe_combine_ref
+
+    gen = torch.Generator().manual_seed(33)
+    for T in (1, 5, 64):
+        for D in (64, 1000):
+            for K in (1, 2, 3, 4, 8):
+                y = torch.randn(T * K, D, generator=gen) * torch.exp(3 * torch.randn(T * K, 1, generator=gen))
+                y = y.to(device)
+                for dtype in (torch.bfloat16, torch.float32):
+                    for shared in (None, torch.randn(T, D, generator=gen).to(dtype).to(device)):
+                        tag = f"T={T} D={D} K={K} {dtype} shared={shared is not None}"
+                        if device == "cuda" or K <= 4:
+                            want = moe_combine_ref(y, K, torch.empty_like(y[:T], dtype=dtype), shared)
+                        else:
+                            want = _sum_4_accumulators(y.view(T, K, D)).to(dtype)
+                            want = want if shared is None else want + shared
+                        out = torch.full((T, D), float("nan"), dtype=dtype, device=device)
+                        got = moe_combine(y, K, out, shared)
+                        if got.data_ptr() != out.data_ptr() or not _same_bits(got, want):
+                            return False, f"{tag}: {_ulps(got, want)} ulps from torch"
+    gen = torch.Generator().manual_seed(34)
+    bank = _bank(8, 128, 64, 5, device)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)]).to(device)
+    w = torch.rand(5, 2, generator=gen).to(device)
+    shared = torch.randn(5, 128, generator=gen).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        fused = moe_experts(x, ids, w, bank, shared_TD=shared)
+        apart = moe_experts(x, ids, w, bank) + shared
+    if not _same_bits(fused, apart):
+        return False, f"moe_experts with shared_TD: {_ulps(fused, apart)} ulps from the separate add"
     return True, ""
 
 
