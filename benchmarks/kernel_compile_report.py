@@ -407,8 +407,7 @@ def moe_glue_cases() -> list[Case]:
     out = []
     for E, K in ((8, 2), (32, 4), (128, 4), (128, 8), (256, 8)):
         e_p2, k_p2 = triton.next_power_of_2(E), triton.next_power_of_2(K)
-        consts = dict(E=E, E_P2=e_p2, K=K, K_P2=k_p2, LEVELS=K.bit_length() - 1,
-                      ROWS=max(1, rt.ROW_ELEMENTS // e_p2), HW=True)  # fmt: skip
+        consts = dict(E=E, E_P2=e_p2, K=K, K_P2=k_p2, ROWS=max(1, rt.ROW_ELEMENTS // e_p2), HW=True)
         ptrs = dict(logits_ptr="fp32", bias_ptr="fp32", ids_ptr="i64", w_ptr="fp32")
         out.append(Case(f"router topk E={E} K={K}", rt._router_topk_kernel, consts, ptrs, floats={"scale"}))
     for dt, is_bf16 in (("bf16", True), ("fp32", False)):

