@@ -418,6 +418,31 @@ def append_cases() -> list[Case]:
     return out
 
 
+def moe_glue_cases() -> list[Case]:
+    """The MoE block's fused glue at M3 / small / tiny shapes: router epilogue (E experts, top-K, the
+    wrapper's rows per program), swigluoai (bf16 and fp32) and the slot-sum combine (K = 4 with the
+    shared-expert add, K = 8 without)."""
+    from model.kernels import triton_moe_combine as mc
+    from model.kernels import triton_router as rt
+    from model.kernels import triton_swiglu as sw
+
+    out = []
+    for E, K in ((8, 2), (32, 4), (128, 4), (128, 8), (256, 8)):
+        e_p2, k_p2 = triton.next_power_of_2(E), triton.next_power_of_2(K)
+        consts = dict(E=E, E_P2=e_p2, K=K, K_P2=k_p2, ROWS=max(1, rt.ROW_ELEMENTS // e_p2), HW=True)
+        ptrs = dict(logits_ptr="fp32", bias_ptr="fp32", ids_ptr="i64", w_ptr="fp32")
+        out.append(Case(f"router topk E={E} K={K}", rt._router_topk_kernel, consts, ptrs, floats={"scale"}))
+    for dt, is_bf16 in (("bf16", True), ("fp32", False)):
+        ptrs = dict(gate_ptr=dt, up_ptr=dt, out_ptr=dt)
+        consts = dict(IS_BF16=is_bf16, HW=True, BLOCK=sw.BLOCK)
+        out.append(Case(f"swigluoai {dt}", sw._swigluoai_kernel, consts, ptrs, floats={"alpha", "limit"}))
+    for K, shared in ((4, True), (8, False)):
+        ptrs = dict(y_ptr="fp32", shared_ptr="bf16", out_ptr="bf16")
+        out.append(Case(f"moe combine K={K} shared={shared}", mc._moe_combine_kernel,
+                        dict(K=K, HAS_SHARED=shared, HW=True, BLOCK=mc.BLOCK), ptrs))  # fmt: skip
+    return out
+
+
 GROUPS = {
     "gemv": gemv_cases,
     "moe": lambda: tile_cases(linear=False),
@@ -425,6 +450,7 @@ GROUPS = {
     "indexer": indexer_cases,
     "attention": attention_cases,
     "append": append_cases,
+    "moe_glue": moe_glue_cases,
 }
 
 

@@ -6,9 +6,12 @@ per-expert LoRA (the bank's `lora` hook) only. Dispatch, for an NVFP4 bank with 
 (or under TRITON_INTERPRET=1): inference without adapter -> `model.kernels.triton_moe`; gradients or
 an expert adapter -> `model.kernels.triton_moe_train`; everything else the torch path (slots sorted by
 expert, one call per expert group, fp32 scatter-add). `moe_experts_ref` is the spec (a plain loop).
+Also the activation `swigluoai` (experts, dense MLP, shared expert): `swigluoai_ref` in torch, one
+launch of `model.kernels.triton_swiglu` in inference mode.
 
 Invariants: every path uses element-for-element the same weights (dequantized to x's dtype); a token's
-K contributions are accumulated in fp32 and rounded once; the frozen storage never gets a gradient.
+K contributions are accumulated in fp32 and rounded once, a shared-expert term added after that
+rounding; the frozen storage never gets a gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from model.kernels.nvfp4_linear import nvfp4_linear
 from model.kv_cache import is_static_shapes
+from model.layers.norm import triton_inference_path
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
 # token-slots, M tokens of one expert group, I / O a projection's input / output features.
@@ -46,11 +50,22 @@ class ExpertDelta(Protocol):
     def __call__(self, e: int, proj: Proj, x_MI: torch.Tensor) -> torch.Tensor: ...
 
 
-def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def swigluoai_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """MiniMax's clamped SwiGLU: g * sigmoid(alpha * g) * (clamp(up, +-limit) + 1), g = min(gate, limit)."""
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
+
+
+def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`swigluoai_ref`; in inference mode one Triton launch (`model.kernels.triton_swiglu`, the same
+    bits on CUDA) where Triton runs. The one dispatch point for this op."""
+    if triton_inference_path(gate):
+        from model.kernels.triton_swiglu import swigluoai_supported, swigluoai_triton
+
+        if swigluoai_supported(gate, up):
+            return swigluoai_triton(gate, up, alpha, limit)
+    return swigluoai_ref(gate, up, alpha, limit)
 
 
 class _MXFP8Linear(torch.autograd.Function):
@@ -127,7 +142,7 @@ def moe_experts_ref(
             if bank.lora is not None:
                 gate_1F = gate_1F + bank.lora(e, "w1", x_1D)
                 up_1F = up_1F + bank.lora(e, "w3", x_1D)
-            act_1F = swigluoai(gate_1F, up_1F, bank.swiglu_alpha, bank.swiglu_limit)
+            act_1F = swigluoai_ref(gate_1F, up_1F, bank.swiglu_alpha, bank.swiglu_limit)
             y_1D = F.linear(act_1F, w2_DF)
             if bank.lora is not None:
                 y_1D = y_1D + bank.lora(e, "w2", act_1F)
@@ -195,9 +210,12 @@ def _use_triton_train(x_TD: torch.Tensor, weights_TK: torch.Tensor, bank: Expert
 
 
 def moe_experts(
-    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank
-) -> torch.Tensor:
-    """Grouped execution of the routed experts: y_TD = sum_k topk_weights[t, k] * expert(x[t]).
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank,
+    *, shared_TD: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Grouped execution of the routed experts: y_TD = sum_k topk_weights[t, k] * expert(x[t]), then
+    `y_TD + shared_TD` if given (the MoE block's shared expert: added after y's rounding; the NVFP4
+    decode path does both in its combine launch).
 
     Differentiable w.r.t. x_TD and topk_weights_TK (and a float bank's weights if they require grad).
     The one dispatch point for this op.
@@ -205,23 +223,30 @@ def moe_experts(
     _check_args(x_TD, topk_ids_TK, topk_weights_TK, bank)
     n_tokens, top_k = topk_ids_TK.shape
     if n_tokens == 0 or top_k == 0:
-        return x_TD.new_zeros(x_TD.shape) + 0.0 * topk_weights_TK.sum()  # keeps the graph connected
-    train_lora = _use_triton_train(x_TD, topk_weights_TK, bank)
-    if train_lora is not None:
-        return moe_nvfp4_train(
+        y_TD = x_TD.new_zeros(x_TD.shape) + 0.0 * topk_weights_TK.sum()  # keeps the graph connected
+    elif (train_lora := _use_triton_train(x_TD, topk_weights_TK, bank)) is not None:
+        y_TD = moe_nvfp4_train(
             x_TD, topk_ids_TK, topk_weights_TK,
             *((getattr(bank, f"{p}_weight"), getattr(bank, f"{p}_weight_scale"),
                getattr(bank, f"{p}_weight_scale_2")) for p in ("w1", "w3", "w2")),
             train_lora or None, swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
         )  # fmt: skip
-    if _use_triton(x_TD, topk_weights_TK, bank):
-        return moe_nvfp4_triton(
+    elif _use_triton(x_TD, topk_weights_TK, bank):
+        # The kernel path adds the shared expert in its combine launch where `y + shared` keeps y's
+        # dtype and shape (no promotion, no broadcast): always, in a model of one dtype.
+        fuse = shared_TD is not None and shared_TD.dtype == x_TD.dtype and shared_TD.shape == x_TD.shape
+        y_TD = moe_nvfp4_triton(
             x_TD, topk_ids_TK, topk_weights_TK,
             *((getattr(bank, f"{p}_weight"), getattr(bank, f"{p}_weight_scale"),
                getattr(bank, f"{p}_weight_scale_2")) for p in ("w1", "w3", "w2")),
             swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
+            shared_TD=shared_TD if fuse else None,
         )  # fmt: skip
-    return moe_experts_torch(x_TD, topk_ids_TK, topk_weights_TK, bank)
+        if fuse:
+            return y_TD
+    else:
+        y_TD = moe_experts_torch(x_TD, topk_ids_TK, topk_weights_TK, bank)
+    return y_TD if shared_TD is None else y_TD + shared_TD
 
 
 def moe_experts_torch(

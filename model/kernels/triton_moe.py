@@ -11,7 +11,8 @@ the default).
 
 Invariants: no host sync; the weights multiplied are exactly bf16(e2m1 * (float(s) * scale_2)), as
 `nvfp4_linear` / `ExpertBank.dequantized` (both decodes; no lookup table); fp32 accumulation; the
-caller sums a token's K slots in fp32 and rounds once. History: benchmarks/RESULTS.md.
+caller sums a token's K slots in fp32 and rounds once (`model.kernels.triton_moe_combine`, which
+also adds the shared expert). History: benchmarks/RESULTS.md.
 """
 
 from typing import Literal
@@ -32,6 +33,7 @@ from model.kernels.triton_common import (
     tune_class,
     use_hw_casts,
 )
+from model.kernels.triton_moe_combine import moe_combine
 
 BM = 16  # tokens per row block: the smallest tl.dot M; decode groups hold ~1-4 tokens
 PROGRAMS_PER_SM = 4
@@ -404,11 +406,12 @@ and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5)."""
 def moe_nvfp4_triton(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,
-    out_TD: torch.Tensor | None = None, variant: MoeVariant = "v6",
+    out_TD: torch.Tensor | None = None, variant: MoeVariant = "v6", shared_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for bf16 x_TD [T, D]; each w* = (packed uint8
     [E, out, in/2], scales e4m3 [E, out, in/16], scale_2 fp32 [E]). No host syncs. variant: see
-    `MoeVariant`."""
+    `MoeVariant`. shared_TD (bf16 [T, D], the shared expert): added after the sum's rounding, as
+    `out + shared` (`model.kernels.triton_moe_combine`)."""
     T, D = x_TD.shape
     K = topk_ids_TK.shape[1]
     E, F = w1[0].shape[0], w1[0].shape[1]
@@ -418,7 +421,7 @@ def moe_nvfp4_triton(
 
         if use_moe_gemv(T * K, E):
             return moe_nvfp4_gemv(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2, swiglu_alpha=swiglu_alpha,
-                                  swiglu_limit=swiglu_limit, out_TD=out_TD)  # fmt: skip
+                                  swiglu_limit=swiglu_limit, out_TD=out_TD, shared_TD=shared_TD)  # fmt: skip
     elif variant != "v2":
         raise ValueError(f"moe_nvfp4_triton: variant must be one of {MoeVariant.__args__}, got {variant!r}")
     if out_TD is None:
@@ -431,8 +434,7 @@ def moe_nvfp4_triton(
     y_SD = torch.empty((T * K, D), dtype=torch.float32, device=x_TD.device)
     down = _parts(*w2)
     _launch(act, rows, block_expert, weights_S, down, down, y_SD, K, False, False, swiglu_alpha, swiglu_limit)
-    out_TD.copy_(y_SD.view(T, K, D).sum(1))
-    return out_TD
+    return moe_combine(y_SD, K, out_TD, shared_TD)
 
 
 @opaque_to_compile

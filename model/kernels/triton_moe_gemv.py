@@ -29,6 +29,7 @@ from model.kernels.triton_common import (
 )
 from model.kernels.triton_gemv import RESULT_SCALE, X_PRESCALE, split_counters
 from model.kernels.triton_moe import _group_by_expert, _parts, split_planes
+from model.kernels.triton_moe_combine import moe_combine
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks,
 # RB rows per block, MR valid rows of a block (a constexpr per compiled loop), BN output features per
@@ -406,11 +407,13 @@ def moe_nvfp4_gemv(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,
     out_TD: torch.Tensor | None = None, tile: MoeGemvTile | None = None,
+    shared_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for bf16 x_TD [T, D]; each w* = (packed uint8
     [E, out, in/2], scales e4m3 [E, out, in/16], scale_2 fp32 [E]). No host syncs (CUDA-graph safe
     after a warm-up call: autotuning and the split counters allocate on first use). tile: a fixed
-    launch configuration (default: autotuned when compiled at decode sizes, `DEFAULT_TILE` elsewhere)."""
+    launch configuration (default: autotuned when compiled at decode sizes, `DEFAULT_TILE` elsewhere).
+    shared_TD (bf16 [T, D], the shared expert): added after the sum's rounding, as `out + shared`."""
     T, D = x_TD.shape
     K = topk_ids_TK.shape[1]
     E, F = w1[0].shape[0], w1[0].shape[1]
@@ -429,7 +432,7 @@ def moe_nvfp4_gemv(
         out_TD = torch.empty_like(x_TD)
     S = T * K
     if S == 0:
-        return out_TD.zero_()
+        return out_TD.zero_() if shared_TD is None else out_TD.zero_().add_(shared_TD)
     rows, block_expert = _group_by_expert(topk_ids_TK.reshape(-1), E, block_rows=ROW_BLOCK)
     act = _scratch((rows.numel(), F), torch.bfloat16, x_TD.device)
     y_SD = _scratch((S, D), torch.float32, x_TD.device)
@@ -440,5 +443,4 @@ def moe_nvfp4_gemv(
     _launch(
         act, rows, block_expert, weights_S, down, down, y_SD, S, K, False, swiglu_alpha, swiglu_limit, tile
     )
-    out_TD.copy_(y_SD.view(T, K, D).sum(1))
-    return out_TD
+    return moe_combine(y_SD, K, out_TD, shared_TD)

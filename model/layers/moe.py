@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.kernels.moe import ExpertDelta, Proj, moe_experts, swigluoai
+from model.layers.norm import triton_inference_path
 from model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8, quantize_mxfp8
 from model.nvfp4 import NVFP4Tensor, dequantize, quantize, to_modelopt
 
@@ -452,6 +453,33 @@ def expert_format(scheme: str) -> ExpertFormat:
     return formats[scheme]  # type: ignore[return-value]
 
 
+def select_experts_ref(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of docs/FACTS.md in torch: (ids [T, K] of the top-k sigmoid(logits) + bias, the
+    chosen sigmoid scores normalised to sum to `scale`)."""
+    scores_TE = torch.sigmoid(logits_TE)
+    # The bias only steers which experts are chosen (load balancing); it never weights them.
+    _, topk_ids_TK = torch.topk(scores_TE + bias_E, top_k, dim=-1)
+    weights_TK = scores_TE.gather(1, topk_ids_TK)
+    return topk_ids_TK, weights_TK / weights_TK.sum(dim=-1, keepdim=True) * scale
+
+
+def select_experts(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 router logits [T, E] -> (topk_ids_TK int64, topk_weights_TK fp32): `select_experts_ref`,
+    in inference mode one Triton launch (`model.kernels.triton_router`) where Triton runs. Experts
+    with equal biased scores: the Triton kernel takes the lower id first; torch.topk leaves ties
+    unspecified (its CUDA kernel selects the same set in another order, its CPU kernel any of them)."""
+    if triton_inference_path(logits_TE):
+        from model.kernels.triton_router import router_topk_supported, router_topk_triton
+
+        if router_topk_supported(logits_TE, top_k):
+            return router_topk_triton(logits_TE, bias_E, top_k, scale)
+    return select_experts_ref(logits_TE, bias_E, top_k, scale)
+
+
 class MoE(nn.Module):
     """The `block_sparse_moe` module: router (`gate`, `e_score_correction_bias`), `experts`,
     `shared_experts` (None when shared_intermediate_size is 0)."""
@@ -480,12 +508,11 @@ class MoE(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (topk_ids_TK int64, topk_weights_TK fp32 summing to routed_scaling_factor, logits_TE fp32)."""
+        # The cast is its own launch: cuBLAS has no bf16 x fp32 GEMM, and the router runs in fp32.
         logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
-        scores_TE = torch.sigmoid(logits_TE)
-        # The bias only steers which experts are chosen (load balancing); it never weights them.
-        _, topk_ids_TK = torch.topk(scores_TE + self.e_score_correction_bias.float(), self.top_k, dim=-1)
-        weights_TK = scores_TE.gather(1, topk_ids_TK)
-        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
+        topk_ids_TK, weights_TK = select_experts(
+            logits_TE, self.e_score_correction_bias.float(), self.top_k, self.routed_scaling_factor
+        )
         return topk_ids_TK, weights_TK, logits_TE
 
     def _check_whole_bank(self) -> None:
@@ -497,10 +524,8 @@ class MoE(nn.Module):
             )
 
     def _experts(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
-        out_TD = moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
-        return out_TD
+        shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
+        return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts, shared_TD=shared_TD)
 
     def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [..., D] -> (out [..., D], RouterStats)."""

@@ -47,6 +47,12 @@ GROUPS = {
         "linear_and_shared_expert_match",
         "gemv_v3_split_k_matches_reference",
     ],
+    "moe_glue": [
+        "router_selects_and_weights_like_torch",
+        "router_ties_take_the_lower_expert_id",
+        "swigluoai_bit_exact_with_torch",
+        "moe_combine_bit_exact_with_torch",
+    ],
 }
 
 
@@ -783,6 +789,204 @@ def gemv_v3_split_k_matches_reference(device):
     v3 = nvfp4_linear_triton(x, *args, variant="v3").float().cpu()
     if not (v3 - v2).abs().max() <= 2**-6 * v2.abs().max():
         return False, f"variant v3 vs v2: {(v3 - v2).abs().max()}"
+    return True, ""
+
+
+# ------------------------------------------------------------------------------------------ moe glue
+def _poison_next_alloc(device, n_bytes):
+    """On CUDA, hand the caching allocator a freed NaN / -1 block of this size, so an output the kernel
+    forgets to write reads as garbage (CPU outputs are fresh allocations anyway)."""
+    if device == "cuda":
+        torch.full((max(n_bytes, 512) // 4,), float("nan"), device=device)
+
+
+def _same_bits(got, want):
+    """Exact equality as bit patterns (signed zeros told apart), NaNs matched as NaNs."""
+    got, want = got.cpu(), want.cpu()
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan_g, nan_w):
+        return False
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[got.dtype]
+    return torch.equal(got[~nan_g].view(ints), want[~nan_w].view(ints))
+
+
+def _ulps(got, want):
+    """Largest distance in units of the last place between finite same-dtype tensors (NaNs matched)."""
+    got, want = got.cpu(), want.cpu()
+    ok = ~(torch.isnan(got) | torch.isnan(want))
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[got.dtype]
+
+    def ordered(t):  # monotone integer image of the floats (sign-magnitude -> two's complement)
+        i = t[ok].view(ints).long()
+        return torch.where(i < 0, -(i & (2 ** (8 * t.element_size() - 1) - 1)), i)
+
+    return int((ordered(got) - ordered(want)).abs().max()) if ok.any() else 0
+
+
+def _router_problem(T, E, gen, device, x_dtype=torch.float32):
+    """Router logits of random tokens (through the fp32 GEMM, from x in x_dtype), the load-balancing
+    bias at the scale of the scores' spread: tie-free in practice."""
+    x = torch.randn(T, 64, generator=gen).to(x_dtype)
+    w = torch.randn(E, 64, generator=gen) * 0.2
+    logits = torch.nn.functional.linear(x.float(), w)
+    bias = torch.randn(E, generator=gen) * 0.05
+    return logits.to(device), bias.to(device)
+
+
+def router_selects_and_weights_like_torch(device):
+    """`router_topk_triton` against `select_experts_ref` on the same device: T = 1, 5, 64 tokens,
+    E = 8, 32, 128 experts (one program and several, a masked row tail), K = 1 .. 8 (non-powers of
+    two), logits from bf16 and fp32 tokens: the same expert ids in the same order, and weights within
+    4 fp32 ulps: on CUDA the sigmoid is torch's bit for bit but torch's `sum(-1)` order depends on
+    the shape (the kernel adds sequentially); on the CPU numpy's exp stands in for Sleef's."""
+    from model.kernels.triton_router import router_topk_triton
+    from model.layers.moe import select_experts_ref
+
+    gen = torch.Generator().manual_seed(31)
+    cases = [(T, E, K) for T in (1, 5, 64) for E in (8, 32, 128) for K in (2, 4, 8) if K <= E]
+    cases += [(5, 8, 1), (5, 32, 3), (64, 128, 6), (3, 256, 8)]
+    for T, E, K in cases:
+        for x_dtype in (torch.bfloat16, torch.float32):
+            logits, bias = _router_problem(T, E, gen, device, x_dtype)
+            scale = 2.0 if K != 3 else 2.5
+            want_ids, want_w = select_experts_ref(logits, bias, K, scale)
+            _poison_next_alloc(device, T * K * 8)
+            ids, w = router_topk_triton(logits, bias, K, scale)
+            tag = f"T={T} E={E} K={K} x {x_dtype}"
+            if (ids.dtype, w.dtype, ids.shape, w.shape) != (torch.int64, torch.float32, (T, K), (T, K)):
+                return False, f"{tag}: got {ids.dtype} {tuple(ids.shape)}, {w.dtype} {tuple(w.shape)}"
+            if not torch.equal(ids.cpu(), want_ids.cpu()):
+                bad = int((ids.cpu() != want_ids.cpu()).any(-1).sum())
+                return False, f"{tag}: expert ids differ in {bad} of {T} rows"
+            if not _ulps(w, want_w) <= 4:
+                return False, f"{tag}: weights {_ulps(w, want_w)} ulps from torch"
+    return True, ""
+
+
+def router_ties_take_the_lower_expert_id(device):
+    """Deliberate ties of the biased score (equal logits and bias): across the K boundary, among the
+    chosen and across all E. The kernel follows its rule: descending key, equal keys by ascending id
+    (a stable descending sort). torch.topk: on CUDA it selects the same set of experts here (checked);
+    on the CPU its heap may take any of the tied experts (not checked: the rule is documented in
+    `select_experts`)."""
+    from model.kernels.triton_router import router_topk_triton
+
+    for E, K in ((8, 2), (32, 4), (128, 4), (128, 8)):
+        logits = torch.zeros(4, E)
+        logits[0, [1, 3, 5]] = 1.0  # three-way tie at the top, K = 2 of them chosen (or all + others)
+        logits[1] = 0.5  # every expert tied
+        logits[2, [E - 1, 0]] = 2.0  # tied pair at the top, then one more, then E - 3 tied zeros
+        logits[2, E // 2] = 1.5
+        logits[3, [2, 6]] = torch.tensor(-1.0)  # a tie at the bottom; the rest tied above it
+        bias = torch.zeros(E)
+        bias[7] = -0.25  # expert 7 ranks below its tied peers whatever its logit
+        key = torch.sigmoid(logits) + bias
+        rule = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :K]
+        ids, w = router_topk_triton(logits.to(device), bias.to(device), K, 2.0)
+        if not torch.equal(ids.cpu(), rule):
+            return False, f"E={E} K={K}: ids {ids.cpu().tolist()} break the tie rule {rule.tolist()}"
+        s = torch.sigmoid(logits).gather(1, rule)
+        if not (w.cpu() - s / s.sum(-1, keepdim=True) * 2.0).abs().max() <= 1e-6:
+            return False, f"E={E} K={K}: weights {w.cpu().tolist()}"
+        if device == "cuda":
+            _, t_ids = torch.topk(key.to(device), K, dim=-1)
+            if not torch.equal(t_ids.sort(-1).values.cpu(), rule.sort(-1).values):
+                return False, f"E={E} K={K}: torch.topk took {t_ids.cpu().tolist()}, the rule {rule.tolist()}"
+    return True, ""
+
+
+def swigluoai_bit_exact_with_torch(device):
+    """`swigluoai_triton` against `swigluoai_ref` on the same device, bf16 and fp32, [T, F] for
+    T = 1, 5, 64 and F = 64, 256, 1000 (a masked tail), values past +-limit, exactly +-limit, huge
+    negatives (sigmoid 0: signed zeros), inf and NaN, and a limit that bf16 cannot hold: bit for bit
+    on CUDA; on the CPU, where the interpreter's exp (numpy) and torch's (Sleef) differ by a few fp32
+    ulps in ~40% of values, within 8 fp32 ulps, and in bf16 within 2 ulps in <= 2% of the values.
+    Also the dispatch: `swigluoai` takes the kernel in inference mode and the torch formula outside."""
+    from model.kernels.moe import swigluoai, swigluoai_ref
+    from model.kernels.triton_swiglu import swigluoai_triton
+
+    gen = torch.Generator().manual_seed(32)
+    for T in (1, 5, 64):
+        for F in (64, 256, 1000):
+            gate = torch.randn(T, F, generator=gen) * 4
+            up = torch.randn(T, F, generator=gen) * 4
+            special = torch.tensor([7.0, -7.0, 7.5, -1e30, float("inf"), float("-inf"), float("nan"), 0.0])
+            gate.view(-1)[: special.numel()] = special
+            up.view(-1)[-special.numel() :] = special
+            for dtype in (torch.bfloat16, torch.float32):
+                for alpha, limit in ((1.702, 7.0), (1.0, 7.01)):
+                    g, u = gate.to(dtype).to(device), up.to(dtype).to(device)
+                    want = swigluoai_ref(g, u, alpha, limit)
+                    _poison_next_alloc(device, g.numel() * g.element_size())
+                    got = swigluoai_triton(g, u, alpha, limit)
+                    tag = f"T={T} F={F} {dtype} alpha={alpha} limit={limit}"
+                    if got.dtype != dtype or got.shape != g.shape:
+                        return False, f"{tag}: got {got.dtype} {tuple(got.shape)}"
+                    if device == "cuda":
+                        if not _same_bits(got, want):
+                            return False, f"{tag}: not bit-exact, {_ulps(got, want)} ulps"
+                    else:  # numpy's exp and Sleef's are each within ~2 fp32 ulps, not the same ones
+                        n_diff = int((got != want).sum() - torch.isnan(want).sum())
+                        ulp_tol, frac = (2, 0.02) if dtype == torch.bfloat16 else (8, 1.0)
+                        if not (_ulps(got, want) <= ulp_tol and n_diff <= frac * got.numel()):
+                            return False, f"{tag}: {n_diff} values differ, up to {_ulps(got, want)} ulps"
+    g, u = gate.to(device), up.to(device)
+    with torch.inference_mode():
+        fast = swigluoai(g, u, 1.702, 7.0)
+    if not _same_bits(fast, swigluoai_triton(g, u, 1.702, 7.0)):
+        return False, "swigluoai in inference mode did not take the kernel"
+    if not _same_bits(swigluoai(g, u, 1.702, 7.0), swigluoai_ref(g, u, 1.702, 7.0)):
+        return False, "swigluoai outside inference mode did not take the torch formula"
+    return True, ""
+
+
+def _sum_4_accumulators(y_TKD):
+    """torch's CUDA `sum(1)` order for K < 16 slots, in torch ops: slot k into accumulator k % 4."""
+    acc = [torch.zeros_like(y_TKD[:, 0]) for _ in range(4)]
+    for k in range(y_TKD.shape[1]):
+        acc[k % 4] = acc[k % 4] + y_TKD[:, k]
+    return ((acc[0] + acc[1]) + acc[2]) + acc[3]
+
+
+def moe_combine_bit_exact_with_torch(device):
+    """`moe_combine` (slot sum, rounding, + shared expert: one launch) against the torch ops it
+    replaces (`moe_combine_ref`) on the same device, bit for bit: T = 1, 5, 64, D = 64 and 1000 (a
+    masked tail), K = 1, 2, 3, 4, 8, bf16 and fp32 out, with and without the shared term, slots of
+    mixed signs and scales (the sum order shows), a poisoned out. On the CPU, whose `sum(1)` adds
+    sequentially, K = 8 is checked against torch's CUDA order emulated instead. Then the wiring:
+    `moe_experts(..., shared_TD=s)` on the NVFP4 kernel path equals `moe_experts(...) + s` exactly."""
+    from model.kernels.moe import moe_experts
+    from model.kernels.triton_moe_combine import moe_combine, moe_combine_ref
+
+    gen = torch.Generator().manual_seed(33)
+    for T in (1, 5, 64):
+        for D in (64, 1000):
+            for K in (1, 2, 3, 4, 8):
+                y = torch.randn(T * K, D, generator=gen) * torch.exp(3 * torch.randn(T * K, 1, generator=gen))
+                y = y.to(device)
+                for dtype in (torch.bfloat16, torch.float32):
+                    for shared in (None, torch.randn(T, D, generator=gen).to(dtype).to(device)):
+                        tag = f"T={T} D={D} K={K} {dtype} shared={shared is not None}"
+                        if device == "cuda" or K <= 4:
+                            want = moe_combine_ref(y, K, torch.empty_like(y[:T], dtype=dtype), shared)
+                        else:
+                            want = _sum_4_accumulators(y.view(T, K, D)).to(dtype)
+                            want = want if shared is None else want + shared
+                        out = torch.full((T, D), float("nan"), dtype=dtype, device=device)
+                        got = moe_combine(y, K, out, shared)
+                        if got.data_ptr() != out.data_ptr() or not _same_bits(got, want):
+                            return False, f"{tag}: {_ulps(got, want)} ulps from torch"
+    gen = torch.Generator().manual_seed(34)
+    bank = _bank(8, 128, 64, 5, device)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)]).to(device)
+    w = torch.rand(5, 2, generator=gen).to(device)
+    shared = torch.randn(5, 128, generator=gen).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        fused = moe_experts(x, ids, w, bank, shared_TD=shared)
+        apart = moe_experts(x, ids, w, bank) + shared
+    if not _same_bits(fused, apart):
+        return False, f"moe_experts with shared_TD: {_ulps(fused, apart)} ulps from the separate add"
     return True, ""
 
 
