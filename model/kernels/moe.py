@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from model.kernels.inference_path import triton_inference_path
 from model.kernels.nvfp4_linear import nvfp4_linear
 from model.kv_cache import is_static_shapes
-from model.layers.norm import triton_inference_path
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k slots per token, S = T*K
 # token-slots, M tokens of one expert group, I / O a projection's input / output features.

@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.kernels.inference_path import triton_inference_path
 from model.kernels.moe import ExpertDelta, Proj, moe_experts, swigluoai
-from model.layers.norm import triton_inference_path
 from model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8, quantize_mxfp8
 from model.nvfp4 import NVFP4Tensor, dequantize, quantize, to_modelopt
 

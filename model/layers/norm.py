@@ -15,15 +15,7 @@ launch (`model.kernels.triton_norm`: another summation order, so a few fp32 ulps
 import torch
 from torch import nn
 
-
-def triton_inference_path(x: torch.Tensor) -> bool:
-    """Whether the norm (and the fused norm + RoPE) of `x` takes its Triton launch: inference mode,
-    torch.compile not tracing, and Triton available for x (`triton_common.triton_available`)."""
-    if not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
-        return False
-    from model.kernels.triton_common import triton_available  # imports Triton: only on this path
-
-    return triton_available(x)
+from model.kernels.inference_path import triton_inference_path
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,8 @@ Legend: R = rotary_dim // 2 (number of frequencies), C = head dim.
 
 import torch
 
-from model.layers.norm import RMSNorm, triton_inference_path
+from model.kernels.inference_path import triton_inference_path
+from model.layers.norm import RMSNorm
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
