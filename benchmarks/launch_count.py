@@ -1,14 +1,15 @@
 """Kernels per decode step of the native engine, counted on the CPU through the GPU's code path.
 
-Why: a graph-captured decode step at `small` is launch-bound (benchmarks/RESULTS.md: ~1,800 kernels
-per step, 48% GPU busy), and each removed launch is a few microseconds of replay. Counting needs no
-GPU: under TRITON_INTERPRET=1 every Triton kernel the GPU runs runs in the interpreter, and every
-torch op that would launch a CUDA kernel passes the dispatcher. Counted per all-decode static step
-(the step CUDA graphs capture): Triton launches, and torch ops that compute (views, metadata ops,
-empty allocations and casts that return their input are not kernels). The baseline in the same run is
-the same step outside inference mode, where the norms and RoPE take their torch ops instead of the
-fused Triton launches (every other kernel is the same). One overcount: the sampler's noise takes
-its torch twin on CPU tensors (about 20 ops here, one launch on CUDA).
+Why: a graph-captured decode step at `small` is launch-bound (benchmarks/RESULTS.md: 1,777 kernels
+per step in session 10, 595 in session 11), and each removed launch is a few microseconds of replay.
+Counting needs no GPU: under TRITON_INTERPRET=1 every Triton kernel the GPU runs runs in the
+interpreter, and every torch op that would launch a CUDA kernel passes the dispatcher. Counted per
+all-decode static step (the step CUDA graphs capture): Triton launches, and torch ops that compute
+(views, metadata ops, empty allocations and casts that return their input are not kernels). The
+baseline in the same run is the same step outside inference mode, where the ops gated by
+`triton_inference_path` (norms with their residual adds, RoPE, the MoE router epilogue, swigluoai)
+take their torch ops (the appends, attention, indexer, MoE kernels and combine launch in both). One
+overcount: the sampler's noise takes its torch twin on CPU tensors (one launch on CUDA).
 
     TRITON_INTERPRET=1 python benchmarks/launch_count.py [--preset tiny] [--batch 4] [--json OUT]
 
@@ -100,7 +101,7 @@ def main() -> None:
     for _ in range(2):  # prefill, then one decode step (the static buffers exist)
         eng.step()
     rows = []
-    for label, inference in (("torch norms + RoPE (baseline)", False), ("engine path", True)):
+    for label, inference in (("torch glue ops (baseline)", False), ("engine path", True)):
         launches, ops = count_step(eng, inference)
         total = sum(launches.values()) + sum(ops.values())
         rows.append({"preset": args.preset, "batch": args.batch, "path": label,
