@@ -217,6 +217,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     replay_ms = replay_only_ms(eng, B, device)
     row = {
         "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
+        "lora_rank": args.lora,
         "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
         "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
         "gpu_busy": busy, "kernels_per_step": kernels,
@@ -246,6 +247,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="rank of fp32 adapters on the default targets, as in rl.train (implies --no-peer)",
+    )
     ap.add_argument(
         "--modes",
         nargs="*",
@@ -277,6 +284,10 @@ def main() -> None:
         if preset not in models:
             models.clear()
             models[preset] = build(preset, args.layers, device, dtype, args.kv_dtype)
+            if args.lora:  # the rollout model of a GRPO run: fp32 adapters on the default targets
+                from model.layers.lora import LoRAConfig, apply_lora
+
+                apply_lora(models[preset], LoRAConfig(r=args.lora, alpha=2.0 * args.lora))
         model = models[preset]
         gen = torch.Generator().manual_seed(0)
         prompts_BS = torch.randint(3, model.config.vocab_size, (B, args.prompt_len), generator=gen)
@@ -297,7 +308,7 @@ def main() -> None:
             if out:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
-        if args.no_peer or (preset == "m3.1-flash" and not args.peer_m3):
+        if args.no_peer or args.lora or (preset == "m3.1-flash" and not args.peer_m3):
             continue
         try:
             hf = to_hf(model, dtype)

@@ -11,7 +11,7 @@ baseline in the same run is the same step outside inference mode, where the ops 
 take their torch ops (the appends, attention, indexer, MoE kernels and combine launch in both). One
 overcount: the sampler's noise takes its torch twin on CPU tensors (one launch on CUDA).
 
-    TRITON_INTERPRET=1 python benchmarks/launch_count.py [--preset tiny] [--batch 4] [--json OUT]
+    TRITON_INTERPRET=1 python benchmarks/launch_count.py [--preset tiny] [--batch 4] [--lora 32] [--json OUT]
 
 Invariant: counts only; nothing here is timed.
 """
@@ -88,12 +88,19 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--lora", type=int, default=0, help="rank of fp32 adapters on the default targets (as rl.train)"
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1: the count follows the GPU's Triton path in the interpreter")
     torch.set_num_threads(1)
     cfg = dataclasses.replace(ModelConfig.preset(args.preset), num_mtp_modules=0, kv_cache_dtype="nvfp4")
     model = MiniMaxM3ForCausalLM(cfg).init_weights(std=0.02, seed=0).to(torch.bfloat16).eval()
+    if args.lora:  # the rollout model of a GRPO run: every default target adapted (fp32 A / B)
+        from model.layers.lora import LoRAConfig, apply_lora
+
+        apply_lora(model, LoRAConfig(r=args.lora, alpha=2.0 * args.lora))
     eng = NativeEngine(model, max_num_seqs=args.batch, max_pages=16 * args.batch, static_decode=True)
     sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     for i in range(args.batch):
@@ -104,12 +111,13 @@ def main() -> None:
     for label, inference in (("torch glue ops (baseline)", False), ("engine path", True)):
         launches, ops = count_step(eng, inference)
         total = sum(launches.values()) + sum(ops.values())
-        rows.append({"preset": args.preset, "batch": args.batch, "path": label,
+        rows.append({"preset": args.preset, "batch": args.batch, "path": label, "lora_rank": args.lora,
                      "layers": cfg.num_hidden_layers, "triton": sum(launches.values()),
                      "torch_ops": sum(ops.values()), "kernels": total, "launches": dict(launches),
                      "top_ops": ops.most_common(12)})  # fmt: skip
     base = rows[0]["kernels"]
-    print(f"kernels per static decode step, preset {args.preset}, batch {args.batch} (interpreter count):")
+    print(f"kernels per static decode step, preset {args.preset}, batch {args.batch}, LoRA rank {args.lora} "
+          "(interpreter count):")  # fmt: skip
     print("| path | Triton launches | torch ops | kernels | per layer | vs baseline |")
     print("|---|---|---|---|---|---|")
     for r in rows:

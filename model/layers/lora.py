@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.kernels.inference_path import triton_inference_path
 from model.kernels.moe import Proj
 from model.layers.lora_config import (  # noqa: F401  (the names adapter code imports from here)
     DEFAULT_TARGETS,
@@ -75,6 +76,12 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if x.dim() == 2 and isinstance(self.lora_dropout, nn.Identity) and triton_inference_path(x):
+            from model.kernels.triton_lora import add_lora_delta_, lora_delta_supported
+
+            a, b = self.lora_A.weight, self.lora_B.weight
+            if lora_delta_supported(x, y, a, b):  # fp32 adapters: the delta in two launches, in place
+                return add_lora_delta_(y, x, a, b, self.scaling)
         x_lora = self.lora_dropout(x).to(self.lora_A.weight.dtype)
         delta = self.lora_B(self.lora_A(x_lora)) * self.scaling
         return y + delta.to(y.dtype)

@@ -39,6 +39,7 @@ GROUPS = {
         "attention_v6_nvfp4_matches_reference",
     ],
     "noise": ["counter_noise_equals_the_torch_formula"],
+    "lora": ["lora_delta_matches_torch", "lora_linear_inference_takes_the_kernel"],
     "norm": ["rms_norm_matches_torch", "rms_norm_rope_matches_torch", "add_rms_norm_equals_add_then_norm"],
     "moe": [
         "moe_grouping_kernel_equals_torch",
@@ -640,6 +641,73 @@ def add_rms_norm_equals_add_then_norm(device):
             tol = 4e-6 if dtype == torch.float32 else 2**-7 * 1.01
             if not torch.equal(ref_total, total.cpu()) or not err.max().item() <= tol:
                 return False, f"{name} {dtype}: torch fallback differs (max rel. error {err.max().item()})"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------------------- lora
+def lora_delta_matches_torch(device):
+    """`add_lora_delta_` against the fp64 value of y + ((x A^T) B^T) * scaling: within the two
+    roundings torch's LoRALinear makes (the delta to y's dtype, then the sum: 2^-8 of |y| + |delta|
+    in bf16, 2^-20 in fp32) plus fp32 summation order (2^-16 of the sum of |terms|); T over several
+    token blocks, input features over several splits with a partial last one and a masked tail,
+    ranks below tl.dot's 16 (padded), a masked output tail, a strided x."""
+    from model.kernels.triton_lora import add_lora_delta_
+
+    gen = torch.Generator().manual_seed(31)
+    wide = torch.randn(70, 1400, generator=gen)
+    cases = [
+        (1, 96, 8, 72, None),
+        (5, 1024, 32, 256, None),
+        (37, 1300, 64, 130, None),
+        (70, 1300, 16, 64, wide),
+    ]
+    for T, n_in, R, n_out, base in cases:
+        x = base[:T, 50 : 50 + n_in] if base is not None else torch.randn(T, n_in, generator=gen)
+        a = torch.randn(R, n_in, generator=gen) / n_in**0.5
+        b = torch.randn(n_out, R, generator=gen)
+        y0 = torch.randn(T, n_out, generator=gen)
+        for dtype, tol in ((torch.bfloat16, 2**-8 * 1.01), (torch.float32, 2**-20)):
+            xd, yd = x.to(dtype), y0.to(dtype)
+            delta = (xd.double() @ a.double().T) @ b.double().T * 0.5
+            want = yd.double() + delta
+            got = add_lora_delta_(yd.to(device), xd.to(device), a.to(device), b.to(device), 0.5)
+            if got.dtype != dtype or got.shape != (T, n_out):
+                return False, f"T={T} I={n_in} R={R} {dtype}: got {tuple(got.shape)} {got.dtype}"
+            # fp32 sums in any order: within 2^-16 of the sum of |terms| (I <= 1400 products, then R)
+            bound = (xd.double().abs() @ a.double().abs().T) @ b.double().abs().T * 0.5
+            allowed = tol * (yd.double().abs() + delta.abs()) + 2**-16 * bound
+            excess = ((got.double().cpu() - want).abs() / allowed.clamp_min(1e-30)).max().item()
+            if not excess <= 1.0:
+                return False, f"T={T} I={n_in} R={R} O={n_out} {dtype}: error {excess:.2f}x the allowed"
+    return True, ""
+
+
+def lora_linear_inference_takes_the_kernel(device):
+    """`LoRALinear` in inference mode (the engines) runs the kernel and agrees with its own torch ops
+    (no inference mode) to bf16 rounding; a bf16 adapter keeps the torch ops (same bits both ways)."""
+    from torch import nn
+
+    from model.layers.lora import LoRALinear
+
+    gen = torch.Generator().manual_seed(32)
+    base = nn.Linear(200, 96, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(96, 200, generator=gen) * 0.05)
+    x = torch.randn(9, 200, generator=gen).to(torch.bfloat16)
+    for adapter_dtype in (torch.float32, torch.bfloat16):
+        lin = LoRALinear(base, r=8, alpha=16, dtype=adapter_dtype).to(device)
+        with torch.no_grad():
+            lin.lora_B.weight.copy_(torch.randn(96, 8, generator=gen))
+        xd = x.to(device)
+        with torch.no_grad():
+            want = lin(xd)
+        with torch.inference_mode():
+            got = lin(xd)
+        err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
+        if adapter_dtype == torch.bfloat16 and not torch.equal(got, want):
+            return False, "a bf16 adapter changed bits in inference mode (it should keep the torch ops)"
+        if not err <= 2**-7:
+            return False, f"{adapter_dtype} adapter: inference-mode output off by {err} relative"
     return True, ""
 
 
