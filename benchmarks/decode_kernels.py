@@ -29,7 +29,7 @@ from model.kernels.triton_indexer import (
     _index_scores_v6_tuned,
     index_select_blocks_triton,
 )
-from model.kernels.triton_kv_append import kv_append, kv_append_ref
+from model.kernels.triton_kv_append import kv_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
 from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
@@ -38,7 +38,7 @@ from model.kernels.triton_sparse_attention import (
     _sparse_attn_v6_tuned,
     sparse_attention_triton,
 )
-from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, stored_width
+from model.kv_cache import PagedIndex, PagedKV, dequantize_kv, kv_append_ref, stored_width
 from model.layers.moe import ExpertBank
 
 # Targets timed: indexer NVFP4 vs FP8 index keys (>= 1.7x), sparse attention NVFP4 vs FP8 cache

@@ -183,6 +183,30 @@ class PagedIndex:
     head_dim: int
 
 
+def kv_append_ref(
+    slot_mapping_T: torch.Tensor,
+    kv: PagedKV | None,
+    k_TNC: torch.Tensor | None,
+    v_TNC: torch.Tensor | None,
+    index: PagedIndex | None = None,
+    index_k_TC: torch.Tensor | None = None,
+) -> None:
+    """The append in torch (the spec of `triton_kv_append.kv_append`, same arguments): `quantize_kv`
+    each part and scatter it to its slots (K to row 2n, V to 2n + 1 of the main pages)."""
+    slot_T = slot_mapping_T.long()
+    if kv is not None:
+        page_size = kv.pages.shape[2]
+        page_T, off_T = slot_T // page_size, slot_T % page_size
+        heads_N = torch.arange(k_TNC.shape[1], device=kv.pages.device) * 2
+        for side, x_TNC, scale in ((0, k_TNC, kv.k_scale), (1, v_TNC, kv.v_scale)):
+            stored = quantize_kv(x_TNC, kv.dtype, scale)
+            kv.pages[page_T[:, None], heads_N[None, :] + side, off_T[:, None]] = stored
+    if index is not None:
+        page_size = index.pages.shape[1]
+        page_T, off_T = slot_T // page_size, slot_T % page_size
+        index.pages[page_T, off_T] = quantize_kv(index_k_TC[:, None, :], index.dtype, index.scale)[:, 0]
+
+
 def gather_pages(pages: torch.Tensor, block_table_P: torch.Tensor, length: int) -> torch.Tensor:
     """Token-major stored rows of one sequence: pages [P, page, ...] -> [length, ...]."""
     page_size = pages.shape[1]
@@ -324,18 +348,11 @@ class KVCache:
             kv_append(slot_mapping_T, kv_view, k_TNC, v_TNC, index_view, index_k_TC)
         if use_kv and (use_index or not is_sparse):
             return
-        # Torch path; slot -> (page, offset) only here: the kernel splits slots itself.
-        slot_T = slot_mapping_T.long()
-        page_T, offset_T = slot_T // self.page_size, slot_T % self.page_size
-        if not use_kv:
-            k_st = quantize_kv(k_TNC, kv_dtype, self.scales[layer, 0])
-            v_st = quantize_kv(v_TNC, kv_dtype, self.scales[layer, 1])
-            kv_T2NX = torch.stack([k_st, v_st], dim=2).reshape(T, 2 * N, -1)  # slot 2*head + side
-            heads = torch.arange(2 * N, device=page_T.device)
-            self.kv[layer][page_T[:, None], heads[None, :], offset_T[:, None]] = kv_T2NX
-        if is_sparse and not use_index:
-            idx_st = quantize_kv(index_k_TC[:, None, :], self.index_dtype, self.scales[layer, 2])[:, 0]
-            self.index[layer][page_T, offset_T] = idx_st
+        # Torch path for the parts the kernel did not write (slot -> page, offset only here).
+        index_view = self.index_view(layer) if is_sparse and not use_index else None
+        kv_append_ref(
+            slot_mapping_T, None if use_kv else self.kv_view(layer), k_TNC, v_TNC, index_view, index_k_TC
+        )
 
     # --------------------------------------------------------------------------- read
     def gather(

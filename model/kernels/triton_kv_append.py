@@ -141,31 +141,6 @@ def _e2m1_code(v):
     return idx | ((v < 0).to(tl.int32) << 3)
 
 
-def kv_append_ref(
-    slot_mapping_T: torch.Tensor,
-    kv: PagedKV | None,
-    k_TNC: torch.Tensor | None,
-    v_TNC: torch.Tensor | None,
-    index: PagedIndex | None = None,
-    index_k_TC: torch.Tensor | None = None,
-) -> None:
-    """Torch spec: `quantize_kv` each part and scatter it to its slots (K to row 2n, V to 2n + 1)."""
-    from model.kv_cache import quantize_kv  # here: kv_cache imports this module
-
-    slot_T = slot_mapping_T.long()
-    if kv is not None:
-        page_size = kv.pages.shape[2]
-        page_T, off_T = slot_T // page_size, slot_T % page_size
-        heads_N = torch.arange(k_TNC.shape[1], device=kv.pages.device) * 2
-        for side, x_TNC, scale in ((0, k_TNC, kv.k_scale), (1, v_TNC, kv.v_scale)):
-            stored = quantize_kv(x_TNC, kv.dtype, scale)
-            kv.pages[page_T[:, None], heads_N[None, :] + side, off_T[:, None]] = stored
-    if index is not None:
-        page_size = index.pages.shape[1]
-        page_T, off_T = slot_T // page_size, slot_T % page_size
-        index.pages[page_T, off_T] = quantize_kv(index_k_TC[:, None, :], index.dtype, index.scale)[:, 0]
-
-
 def _check_part(name: str, x: torch.Tensor, shape: tuple, pages: torch.Tensor, dtype: str, C: int) -> None:
     if tuple(x.shape) != shape or not x.is_floating_point() or x.stride(-1) != 1:
         raise ValueError(f"kv_append: {name} must be float {shape} contiguous in the last dim, got "

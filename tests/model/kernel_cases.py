@@ -116,8 +116,8 @@ def append_bytes_equal_kv_quantize(device):
     """kv_append (one launch: K, V, index key) stores the bytes of kv_append_ref (quantize_kv +
     scatter) for every K/V x index dtype pair, a full-attention layer (no index), an index-only call,
     several head dims / page sizes / slot patterns and float input dtypes."""
-    from model.kernels.triton_kv_append import APPEND_DTYPES, kv_append, kv_append_ref
-    from model.kv_cache import PagedIndex, PagedKV, stored_width
+    from model.kernels.triton_kv_append import APPEND_DTYPES, kv_append
+    from model.kv_cache import PagedIndex, PagedKV, kv_append_ref, stored_width
 
     gen = torch.Generator().manual_seed(1)
     shapes = [  # C, N, Ci, page, n_pages, T, x dtype
