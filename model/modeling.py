@@ -312,6 +312,13 @@ class MiniMaxM3ForCausalLM(nn.Module):
             x_TD, pending_TD = layer.forward_cached_split(
                 x_TD, pending_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
             )
+        return self.cached_logits(x_TD, pending_TD, logits_indices)
+
+    def cached_logits(
+        self, x_TD: torch.Tensor, pending_TD: torch.Tensor | None, logits_indices: torch.Tensor | None
+    ) -> torch.Tensor:
+        """fp32 logits of rows `logits_indices` (None: all) of the stream x_TD + pending_TD (the last
+        layer's `forward_cached_split` output; the add runs inside the final norm's launch)."""
         if logits_indices is not None:
             x_TD = x_TD[logits_indices]
             pending_TD = None if pending_TD is None else pending_TD[logits_indices]

@@ -67,14 +67,16 @@ def forward_cached_hidden(
     wanted = set(layer_ids)
     captured: dict[int, torch.Tensor] = {}
     x_TD = model.model.embed_tokens(input_ids_T)
+    shared: dict = {}  # the step's RoPE / slot tables, computed once (as model.forward_cached)
+    pending_TD = None  # each layer's FFN output, added by the next norm's launch
     for i, layer in enumerate(model.model.layers):
-        x_TD = layer.forward_cached(x_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B)
+        x_TD, pending_TD = layer.forward_cached_split(
+            x_TD, pending_TD, positions_T, seq_idx_T, cache, block_tables_BP, seq_lens_B, shared
+        )
         if i in wanted:
-            captured[i] = x_TD
+            captured[i] = x_TD + pending_TD  # the same add (and bits) the next norm makes
     hidden_TX = torch.cat([captured[i] for i in layer_ids], dim=-1)
-    if logits_indices is not None:
-        x_TD = x_TD[logits_indices]
-    return model.lm_head(model.model.norm(x_TD)).float(), hidden_TX
+    return model.cached_logits(x_TD, pending_TD, logits_indices), hidden_TX
 
 
 def slots_of(
