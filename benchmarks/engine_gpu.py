@@ -64,10 +64,14 @@ def sync(device: torch.device) -> None:
 def make_engine(model, batch: int, ctx: int, mode: str, kv_dtype: str) -> NativeEngine:
     page = model.config.index_block_size
     max_pages = batch * -(-ctx // page) + 1
-    is_graphs = mode in ("graphs", "compiled") and model.lm_head.weight.is_cuda
+    # "graphs_sync" / "static_sync": the step reads its tokens back before the next one is launched
+    # (async_decode off), the engine's behaviour before the lookahead.
+    base, sync_mode = mode.removesuffix("_sync"), mode.endswith("_sync")
+    is_graphs = base in ("graphs", "compiled") and model.lm_head.weight.is_cuda
     return NativeEngine(model, max_pages=max_pages, max_batch_tokens=max(4096, batch), max_num_seqs=batch,
                         kv_dtype=kv_dtype, index_dtype=kv_dtype, cuda_graphs=is_graphs,
-                        static_decode=mode != "eager", compile_decode=mode == "compiled")  # fmt: skip
+                        static_decode=base != "eager", compile_decode=base == "compiled",
+                        async_decode=False if sync_mode or base == "eager" else None)  # fmt: skip
 
 
 def requests(prompts_BS: torch.Tensor, max_tokens: int) -> list[Request]:
@@ -225,6 +229,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
         "kv_bytes": kv_bytes, "touched_floor_ms": 1e3 * touched_s, "over_touched_floor": step_s / touched_s,
         "graph_error": eng.runner.graph_error,
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
+        "lookahead_steps": eng.lookahead_steps, "lookahead_discarded": eng.lookahead_discarded,
         "replay_ms": replay_ms, "host_ms": None if replay_ms is None else 1e3 * step_s - replay_ms,
         "warmup_s": warmup_s, "compile_error": eng.runner.compile_error, **_dynamo_counts(mode),
         **({"top_kernels": top} if args.breakdown else {}),
@@ -257,7 +262,8 @@ def main() -> None:
         "--modes",
         nargs="*",
         default=None,
-        help="engine modes (default eager graphs compiled on CUDA, eager static on CPU)",
+        help="engine modes (default eager graphs compiled on CUDA, eager static on CPU; a _sync suffix "
+        "turns async decode off)",
     )
     ap.add_argument("--breakdown", action="store_true", help="rows list the 25 most launched kernels")
     ap.add_argument(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,6 +105,8 @@ class NativeEngine:
     captured path). Both keep one extra cache page as the padded rows' scratch page and are off with
     a drafter, a prebuilt cache or expert-parallel layers. `compile_decode` runs those passes through
     torch.compile (fewer, fused kernels; compiled once per engine, minutes on a GPU; implies static).
+    `async_decode` (None = on with the static path) launches the next all-decode step before reading
+    back the current one's tokens (`_Inflight`): the host's bookkeeping overlaps the device's pass.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class NativeEngine:
         cuda_graphs: bool | None = None,
         static_decode: bool | None = None,
         compile_decode: bool = False,
+        async_decode: bool | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -181,6 +185,13 @@ class NativeEngine:
                 self.proposer.profile(self.cache, max_num_seqs, max_batch_tokens)
         elif spec is not None:
             raise ValueError("spec settings need a drafter: pass drafter=... (rollout.dspark.load_drafter)")
+        if async_decode and not use_static:
+            raise ValueError("async_decode=True launches padded (static) decode steps ahead: turn on "
+                             "cuda_graphs, static_decode or compile_decode too")  # fmt: skip
+        self.async_decode = use_static if async_decode is None else async_decode
+        self._inflight: _Inflight | None = None  # a launched step whose tokens are not read back yet
+        self.lookahead_steps = 0  # steps launched ahead of the previous one's read-back
+        self.lookahead_discarded = 0  # their rows dropped: the sequence finished on a stop token
         scratch = max_pages if use_static else None  # the page past the scheduler's
         self.runner = ModelRunner(model, self.cache, max_num_seqs, static_decode=use_static,
                                   cuda_graphs=use_graphs, scratch_page=scratch,
@@ -325,6 +336,19 @@ class NativeEngine:
     def step(self) -> list[Completion]:
         """Run one batch; returns the completions that finished in it."""
         t0 = time.perf_counter()
+        if self._inflight is not None:  # this step was launched by the previous one: read it back
+            cur, self._inflight = self._inflight, None
+            finished = self._advance(cur)
+        else:
+            finished = self._step_scheduled()
+        self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
+        self._stats.steps += 1
+        self._stats.step_time_s += time.perf_counter() - t0
+        return finished
+
+    def _step_scheduled(self) -> list[Completion]:
+        """A step the scheduler chose: schedule, plan, one pass, sample (or verify), update."""
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError("no sequence could be scheduled: the cache is too small for any of them")
@@ -342,17 +366,105 @@ class NativeEngine:
             self.cache.copy_pages(src, dst)
             if self.proposer is not None:
                 self.proposer.cache.copy_pages(src, dst)
+        if self.images is not None:
+            _release_image_features(chunks)
+        if self.async_decode and "static_bs" in views:  # an all-decode padded step: pipeline from here
+            return self._advance(self._read_back(sampled, *self.runner.sample(logits_RV, views, inputs)))
         finished = self._sample_and_update(logits_RV, views, inputs, sampled) if sampled else []
         if spec_chunks:
             finished += self._verify_and_update(logits_RV, views, draft, [ch.seq for ch in spec_chunks],
                                                 num_verify)  # fmt: skip
-        if self.images is not None:
-            _release_image_features(chunks)
-        self._stats.preemptions = self.scheduler.num_preemptions
-        self._stats.shared_prefix_pages = self.scheduler.num_shared_pages
-        self._stats.steps += 1
-        self._stats.step_time_s += time.perf_counter() - t0
         return finished
+
+    # ------------------------------------------------------------------ async decode
+    def _read_back(self, seqs: list[Sequence], tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> _Inflight:
+        """Start copying a launched step's ids and log-probs to the host (one copy, not waited for)."""
+        packed_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
+        event = None
+        if packed_2B.is_cuda:
+            host_2B = torch.empty(packed_2B.shape, dtype=torch.float64, pin_memory=True)
+            host_2B.copy_(packed_2B, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host_2B = packed_2B
+        return _Inflight(seqs, [True] * len(seqs), tokens_B, host_2B, event)
+
+    def _advance(self, cur: _Inflight) -> list[Completion]:
+        """Launch the step after `cur` if it is all-decode for sure, then read `cur` back and update."""
+        nxt = self._launch_ahead(cur) if self.async_decode else None
+        finished = self._resolve(cur, nxt)
+        self._inflight = nxt if nxt is not None and any(nxt.live) else None
+        return finished
+
+    def _launch_ahead(self, cur: _Inflight) -> _Inflight | None:
+        """The next step of `cur`'s sequences, launched before `cur`'s tokens are on the host: what
+        `schedule` would run next, if nothing is queued, every running sequence was in `cur` and each
+        gets its next page without preempting. Sequences that finish on length now are left out; one
+        that turns out to stop on a token has its row dropped (`_resolve` undoes its draw and slot).
+        None (the next step is scheduled as usual) otherwise."""
+        sch = self.scheduler
+        live = [(i, s) for i, (s, ok) in enumerate(zip(cur.seqs, cur.live)) if ok]
+        same = len(sch.running) == len(live) and all(a is b for a, (_, b) in zip(sch.running, live))
+        if sch.waiting or not same:
+            return None
+        max_pos = self.config.max_position_embeddings
+        rows = [(i, s) for i, s in live if len(s.output) + 1 < s.max_tokens and s.num_computed + 1 < max_pos]
+        if not rows or len(rows) > sch.max_batch_tokens or len(rows) > self.runner.buckets[-1]:
+            return None
+        if not all(sch.reserve(s, s.num_computed + 1) for _, s in rows):
+            return None  # pages are short: the scheduler decides (it may preempt)
+        seqs = [s for _, s in rows]
+        params = [s.group.request.params for s in seqs]
+        n = len(seqs)
+        inputs = StepInputs(
+            [0] * n, [s.num_computed for s in seqs], list(range(n)), [s.block_table for s in seqs],
+            [s.num_computed + 1 for s in seqs], list(range(n)), sample_src=list(range(n)),
+            rngs=[s.rng for s in seqs], temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params], top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+            extra_ints={"src": [i for i, _ in rows]}, is_decode=True,
+        )  # fmt: skip
+        views = self.runner.prepare_lookahead(inputs, cur.tokens_B)
+        logits_RV = self.runner.run(views, inputs)
+        for s in seqs:
+            s.num_computed += 1
+        self.lookahead_steps += 1
+        return self._read_back(seqs, *self.runner.sample(logits_RV, views, inputs))
+
+    def _resolve(self, cur: _Inflight, nxt: _Inflight | None) -> list[Completion]:
+        """Read `cur`'s tokens back (the step's one host sync) and emit them; a sequence that finishes
+        while `nxt` already runs its next token loses that row: its draw and its cache slot are undone,
+        so it ends in the state a synchronous engine leaves (parked turns continue from it)."""
+        if cur.event is not None:
+            cur.event.synchronize()  # SYNC: the scheduler needs the ids (ids and log-probs in one copy)
+        tokens, logprobs = cur.host_2B.tolist()
+        in_next = {id(s): j for j, s in enumerate(nxt.seqs)} if nxt is not None else {}
+        now, finished = time.perf_counter(), []
+        for s, ok, tok, lp in zip(cur.seqs, cur.live, tokens, logprobs):
+            if not ok or not self._emit(s, int(tok), lp, now):
+                continue
+            j = in_next.get(id(s))
+            if j is not None:
+                nxt.live[j] = False
+                self.lookahead_discarded += 1
+                if s.rng is not None:
+                    s.rng.draws -= 1
+                self.scheduler.rollback(s, s.num_computed - 1)
+            finished.append(self._finish(s, now))
+        return finished
+
+    def _cancel_ahead(self) -> None:
+        """Drop the step launched ahead, as if it had not been: every row's draw and cache slot are
+        undone (its writes land in slots the next step overwrites, in stream order)."""
+        nxt, self._inflight = self._inflight, None
+        if nxt is None:
+            return
+        for s, ok in zip(nxt.seqs, nxt.live):
+            if ok:
+                if s.rng is not None:
+                    s.rng.draws -= 1
+                self.scheduler.rollback(s, s.num_computed - 1)
+        self.lookahead_discarded += sum(nxt.live)
 
     def _plan(
         self, chunks: list[ScheduledChunk], spec_chunks: list[ScheduledChunk], num_verify: list[int]
@@ -596,6 +708,7 @@ class NativeEngine:
         `version`. Call between steps."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"adapter version must be an int, got {version!r}")
+        self._cancel_ahead()  # the next step runs under the new adapter, as without async decode
         if any("lora_" in name for name, _ in self.model.named_parameters()):
             # Adapters injected by model.layers.lora.apply_lora: its strict loader (every adapter
             # tensor, exact names and shapes) copies into them in place.
@@ -630,6 +743,8 @@ class NativeEngine:
             if s.finish_reason is not None or (sample_index is not None and s.sample_index != sample_index):
                 continue
             s.finish_reason = "abort"
+            if self._inflight is not None and s in self._inflight.seqs:  # its launched row is dropped
+                self._inflight.live[self._inflight.seqs.index(s)] = False
             if s in self.scheduler.running:
                 self.scheduler.free(s)
             elif s in self.scheduler.waiting:
@@ -691,3 +806,16 @@ def _copy_named_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tens
         raise ValueError(f"adapter tensor shapes differ from the model's (name, got, expected): {bad[:5]}")
     for k, v in tensors.items():
         params[k].copy_(v)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose sampled ids are still being copied to the host: row i samples `seqs[i]`
+    unless `live[i]` was cleared (it finished or was aborted after the launch). `tokens_B` stays on
+    the device for the step launched after it (it reads its input ids from there)."""
+
+    seqs: list[Sequence]
+    live: list[bool]
+    tokens_B: torch.Tensor
+    host_2B: torch.Tensor
+    event: torch.cuda.Event | None

@@ -265,9 +265,11 @@ class ModelRunner:
         pad = Bm - n
         scratch = self.scratch_page
         table = [p for t in x.block_tables for p in (*t, *(scratch,) * (W - len(t)))] + [scratch] * (pad * W)
+        src = x.extra_ints.get("src", [])
         ints = [("ids", x.token_ids + [0] * pad), ("pos", x.positions + [0] * pad), ("seq", list(range(Bm))),
                 ("lens", x.seq_lens + [1] * pad), ("keys", keys + [0] * pad),
-                ("top_k_B", (x.top_k or [0] * n) + [0] * pad), ("table", table)]  # fmt: skip
+                ("top_k_B", (x.top_k or [0] * n) + [0] * pad), ("table", table),
+                ("src", src + [0] * (Bm - len(src)))]  # fmt: skip
         floats = [("temperature", x.temperature + [0.0] * pad),
                   ("top_p_B", (x.top_p or [1.0] * n) + [1.0] * pad),
                   ("min_p_B", (x.min_p or [0.0] * n) + [0.0] * pad)]  # fmt: skip
@@ -291,6 +293,17 @@ class ModelRunner:
         for k, off in (("top_k_B", 0), ("top_p_B", 1.0), ("min_p_B", 0.0)):
             if any(x != off for x in getattr(inputs, k[:-2])):
                 views[k] = v[k][:n]
+        return views
+
+    def prepare_lookahead(self, inputs: StepInputs, prev_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`prepare` of a static step whose input tokens are still on the device: row i's token is
+        `prev_tokens[inputs.extra_ints["src"][i]]` (the previous step's sampled ids, not read back yet);
+        `inputs.token_ids` are placeholders. One gather after the one staging copy, no host sync."""
+        if not self.can_run_static(inputs):
+            raise ValueError("a lookahead step must be an all-decode step the static path can run")
+        views = self._prepare_static(inputs)
+        v, n = self._static_views, len(inputs.seq_lens)
+        torch.index_select(prev_tokens, 0, v["src"][:n], out=v["ids"][:n])
         return views
 
     def static_forward(self, bs: int) -> torch.Tensor:
