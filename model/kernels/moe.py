@@ -16,6 +16,7 @@ rounding; the frozen storage never gets a gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
@@ -211,14 +212,16 @@ def _use_triton_train(x_TD: torch.Tensor, weights_TK: torch.Tensor, bank: Expert
 
 def moe_experts(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, bank: ExpertBank,
-    *, shared_TD: torch.Tensor | None = None,
+    *, shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Grouped execution of the routed experts: y_TD = sum_k topk_weights[t, k] * expert(x[t]), then
-    `y_TD + shared_TD` if given (the MoE block's shared expert: added after y's rounding; the NVFP4
-    decode path does both in its combine launch).
+    `y_TD + shared(x_TD)` if given (the MoE block's shared expert, added after y's rounding).
 
     Differentiable w.r.t. x_TD and topk_weights_TK (and a float bank's weights if they require grad).
-    The one dispatch point for this op.
+    The one dispatch point for this op, the shared term's included: on the engine path (the NVFP4
+    kernel under `triton_inference_path`) it joins the routed combine launch; everywhere else it is
+    evaluated after the routed experts, then added: evaluated first it reorders the autograd graph,
+    so the order x's gradient contributions are summed in and the learner's fp32 bits (389f8c6).
     """
     _check_args(x_TD, topk_ids_TK, topk_weights_TK, bank)
     n_tokens, top_k = topk_ids_TK.shape
@@ -232,8 +235,10 @@ def moe_experts(
             train_lora or None, swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
         )  # fmt: skip
     elif _use_triton(x_TD, topk_weights_TK, bank):
-        # The kernel path adds the shared expert in its combine launch where `y + shared` keeps y's
-        # dtype and shape (no promotion, no broadcast): always, in a model of one dtype.
+        # The engine path (inference mode: no graph to reorder, no gradient the launch would drop;
+        # eager) evaluates the shared expert first: the combine launch takes it where `y + shared`
+        # keeps y's dtype and shape (no promotion, no broadcast): always, in a model of one dtype.
+        shared_TD = shared(x_TD) if shared is not None and triton_inference_path(x_TD) else None
         fuse = shared_TD is not None and shared_TD.dtype == x_TD.dtype and shared_TD.shape == x_TD.shape
         y_TD = moe_nvfp4_triton(
             x_TD, topk_ids_TK, topk_weights_TK,
@@ -242,11 +247,11 @@ def moe_experts(
             swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit,
             shared_TD=shared_TD if fuse else None,
         )  # fmt: skip
-        if fuse:
-            return y_TD
+        if shared_TD is not None:
+            return y_TD if fuse else y_TD + shared_TD
     else:
         y_TD = moe_experts_torch(x_TD, topk_ids_TK, topk_weights_TK, bank)
-    return y_TD if shared_TD is None else y_TD + shared_TD
+    return y_TD if shared is None else y_TD + shared(x_TD)
 
 
 def moe_experts_torch(

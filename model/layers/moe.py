@@ -524,14 +524,8 @@ class MoE(nn.Module):
             )
 
     def _experts(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor):
-        if self.shared_experts is None:
-            return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts)
-        if triton_inference_path(x_TD):  # the engine: the shared add can join the routed combine launch
-            shared_TD = self.shared_experts(x_TD)
-            return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts, shared_TD=shared_TD)
-        # Elsewhere routed first, then shared: the autograd graph (and so the order in which x's
-        # gradient contributions are summed, and the learner's fp32 bits) stays what it was.
-        return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts) + self.shared_experts(x_TD)
+        # moe_experts decides where the shared expert's output goes (the combine launch, or added after).
+        return moe_experts(x_TD, topk_ids_TK, topk_weights_TK, self.experts, shared=self.shared_experts)
 
     def forward_with_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [..., D] -> (out [..., D], RouterStats)."""

@@ -1023,7 +1023,11 @@ def moe_combine_bit_exact_with_torch(device):
     masked tail), K = 1, 2, 3, 4, 8, bf16 and fp32 out, with and without the shared term, slots of
     mixed signs and scales (the sum order shows), a poisoned out. On the CPU, whose `sum(1)` adds
     sequentially, K = 8 is checked against torch's CUDA order emulated instead. Then the wiring:
-    `moe_experts(..., shared_TD=s)` on the NVFP4 kernel path equals `moe_experts(...) + s` exactly."""
+    `moe_experts(..., shared=f)` on the engine path passes f's output to the combine launch and
+    equals `moe_experts(...) + f(x)` exactly."""
+    from unittest import mock
+
+    from model.kernels import triton_moe, triton_moe_gemv
     from model.kernels.moe import moe_experts
     from model.kernels.triton_moe_combine import moe_combine, moe_combine_ref
 
@@ -1051,11 +1055,23 @@ def moe_combine_bit_exact_with_torch(device):
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)]).to(device)
     w = torch.rand(5, 2, generator=gen).to(device)
     shared = torch.randn(5, 128, generator=gen).to(torch.bfloat16).to(device)
-    with torch.no_grad():
-        fused = moe_experts(x, ids, w, bank, shared_TD=shared)
+    took_shared = []  # per combine launch: whether it was given the shared term
+
+    def combine(y_SD, top_k, out_TD, shared_TD=None):
+        took_shared.append(shared_TD is not None)
+        return moe_combine(y_SD, top_k, out_TD, shared_TD)
+
+    with (
+        torch.inference_mode(),
+        mock.patch.object(triton_moe, "moe_combine", combine),
+        mock.patch.object(triton_moe_gemv, "moe_combine", combine),
+    ):
+        fused = moe_experts(x, ids, w, bank, shared=lambda x_TD: shared)
         apart = moe_experts(x, ids, w, bank) + shared
+    if took_shared != [True, False]:
+        return False, f"combine launches given the shared term: {took_shared}, want [True, False]"
     if not _same_bits(fused, apart):
-        return False, f"moe_experts with shared_TD: {_ulps(fused, apart)} ulps from the separate add"
+        return False, f"moe_experts with shared: {_ulps(fused, apart)} ulps from the separate add"
     return True, ""
 
 
