@@ -17,11 +17,13 @@ Kernel map of MMA column kappa of step i (0..3) of a 64-wide chunk to input k (A
   k = 16t + 4i + 2 * (kappa >= 8) + (kappa & 1), for the kappa a lane holds (2t, 2t+1, 2t+8, 2t+9).
 """
 
+import functools
+
 import pytest
 import torch
 
 from model import nvfp4
-from model.kernels.cuda_moe import repack_nvfp4_mma, split_k, unpack_nvfp4_mma, use_moe_mma
+from model.kernels.cuda_moe import random_bank, repack_nvfp4_mma, split_k, unpack_nvfp4_mma, use_moe_mma
 
 MASK32 = 0xFFFFFFFF
 
@@ -239,6 +241,8 @@ def _bank(E, D, F, seed, device, special=False):
     from model.layers.moe import ExpertBank
 
     gen = torch.Generator().manual_seed(seed)
+    if D * F > 1 << 16:  # M3 widths: random codes and scales drawn on the GPU (CPU quantizing is minutes)
+        return _big_bank(E, D, F, device)
     bank = ExpertBank(E, D, F, "nvfp4").init_normal_(0.05, gen)
     if special:  # every code with subnormal / zero / max scales, power-of-two scale_2
         for p, (n_out, n_in) in bank.proj_shapes().items():
@@ -248,6 +252,11 @@ def _bank(E, D, F, seed, device, special=False):
             getattr(bank, f"{p}_weight_scale").copy_(sb.view(torch.float8_e4m3fn))
             getattr(bank, f"{p}_weight_scale_2").fill_(2.0**-6)
     return bank.to(device)
+
+
+@functools.cache
+def _big_bank(E, D, F, device):
+    return random_bank(E, D, F, device)
 
 
 def _parts(bank):
