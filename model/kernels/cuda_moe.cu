@@ -329,6 +329,7 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
 
 #ifndef CUDA_MOE_STANDALONE
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -339,6 +340,7 @@ void moe_mma_launch(torch::Tensor x, torch::Tensor rows, torch::Tensor block_exp
                     torch::Tensor sc2b, torch::Tensor out, torch::Tensor part, torch::Tensor counters,
                     int64_t n_out, int64_t n_in, int64_t topk, int64_t split, double alpha, double limit,
                     bool glu, bool f16_decode) {
+  const c10::cuda::CUDAGuard device_guard(x.device());
   cuda_moe::Params p;
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
   p.stride_x = x.stride(0);
