@@ -7,8 +7,8 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v2 v6]   (MoE v6 vs v2: --only moe --variants v6; attention v2 vs v6 vs FP8:
-       --only attention --variants v2 v6)
+       [--variants v2 v6]   (MoE v6 vs v2: --only moe --variants v6; with the CUDA v7: --only moe
+       --variants v6 v7; attention v2 vs v6 vs FP8: --only attention --variants v2 v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -59,15 +59,16 @@ from model.layers.moe import ExpertBank
 # autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel).
 # NVFP4 and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio
 # table prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by
-# the v2 tile kernel and by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) side by
-# side, routed and layer times per variant, then v6 vs v2 (v2 is always timed, as the baseline).
+# the v2 tile kernel, by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) and by v7
+# (`model.kernels.cuda_moe`, CUDA mma.sync) side by side, routed and layer times per variant, then each
+# vs v2 (v2 is always timed, as the baseline).
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v6"),
     "attention": ("v2", "v6"),
     "gemv": ("v2", "v3"),
-    "moe": ("v2", "v6"),
+    "moe": ("v2", "v6", "v7"),
 }
 OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v6")}
 ROWS: list[dict] = []
@@ -416,6 +417,8 @@ def run_moe_layer(cfg: ModelConfig, device, T: int = 64, variants: tuple = ("v2"
         if variant == "v6":
             tuners = (("glu", _moe_gemv_glu_tuned), ("down", _moe_gemv_down_tuned))
             config = "; ".join(f"{name} {getattr(t, 'best_config', None)}" for name, t in tuners)
+        elif variant == "v7":
+            config = "cuda_moe mma.sync (fixed tiles)"
         else:
             config = str(getattr(_nvfp4_moe_tuned, "best_config", None))
         record("moe", shape, f"triton routed {variant}", t_routed[variant], routed_bytes,
@@ -467,9 +470,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="subset of: append indexer attention gemv moe")
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
-    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6"],
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"],
                     help="versions to time side by side, each op taking those it has (indexer v2 v6, "
-                         "attention v2 v6, gemv v2 v3, moe v2 v6; the first named is the baseline of the "
+                         "attention v2 v6, gemv v2 v3, moe v2 v6 v7; the first named is the baseline of the "
                          "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v6")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH

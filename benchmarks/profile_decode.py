@@ -9,12 +9,13 @@ profiles exactly one launch per (kernel, cache format) and nothing of the set-up
 script: decode_kernels.py times hundreds of launches (autotune, graphs, baselines) that would each be
 replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GEMV 6144 x 6144).
 
-`--only moe` profiles the routed experts' two v6 launches (fused gate/up + swigluoai, then down) at
-M3.1-Flash widths for --batch tokens (random top-k ids, every token K distinct experts).
+`--only moe` profiles the routed experts' launches (v6: fused gate/up + swigluoai, then down; v7, the
+CUDA mma kernels of model/kernels/cuda_moe.py: `--variants v6 v7`) at M3.1-Flash widths for --batch
+tokens (random top-k ids, every token K distinct experts).
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv moe] [--batch 64] [--context 131072]
-       [--variants v2 v6]   (each op profiles the named versions it has, else its default: indexer v6,
-       attention v6; attention v2 vs v6: --only attention --variants v2 v6)
+       [--variants v2 v6 v7]   (each op profiles the named versions it has, else its default: indexer
+       v6, attention v6, moe v6; attention v2 vs v6: --only attention --variants v2 v6)
 """
 
 import argparse
@@ -47,7 +48,7 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6"])
+    ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"])
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -115,9 +116,13 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(B)])
         wts = torch.rand(B, K, device=device)
         kw = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
-        launches.append(
-            (f"moe routed v6 T={B}", lambda: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, **kw, variant="v6"))
-        )
+        for v in versions("moe", "v6"):  # v2 tile kernel, v6 FMA GEMV, v7 CUDA mma (cuda_moe)
+            launches.append(
+                (
+                    f"moe routed {v} T={B}",
+                    lambda v=v: moe_nvfp4_triton(x, ids, wts, w1, w3, w2, **kw, variant=v),
+                )
+            )
     for _, fn in launches:  # autotune + compile outside the profiled range
         fn()
         fn()

@@ -395,11 +395,13 @@ def _parts(packed, scales, scale_2):
     return packed.view(torch.int32), scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
 
 
-MoeVariant = Literal["v2", "v6"]
+MoeVariant = Literal["v2", "v6", "v7"]
 """v2: this module's tile kernel; v6: the grouped split-K FMA GEMV of `model.kernels.triton_moe_gemv`
 for decode-sized batches (`use_moe_gemv`: <= 4 slots per expert on average), the tile kernel above.
 v6 is the default: on the H200 at T = 64, 128 experts top-4 (M3.1 widths) its routed path is 1.53x v2's
-and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5)."""
+and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5). v7: the CUDA tensor-core
+kernel of `model.kernels.cuda_moe` (`use_moe_mma`: <= 8 slots per expert on average; D, F multiples of
+64), v6's choice otherwise; not the default until timed on the GPU."""
 
 
 @opaque_to_compile
@@ -415,6 +417,13 @@ def moe_nvfp4_triton(
     T, D = x_TD.shape
     K = topk_ids_TK.shape[1]
     E, F = w1[0].shape[0], w1[0].shape[1]
+    if variant == "v7":
+        from model.kernels.cuda_moe import moe_mma_supported, moe_nvfp4_mma, use_moe_mma
+
+        if use_moe_mma(T * K, E) and moe_mma_supported(x_TD, w1[0]):
+            return moe_nvfp4_mma(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2, swiglu_alpha=swiglu_alpha,
+                                 swiglu_limit=swiglu_limit, out_TD=out_TD, shared_TD=shared_TD)  # fmt: skip
+        variant = "v6"
     if variant == "v6":
         # Imported here: triton_moe_gemv builds on this module (grouping, word views).
         from model.kernels.triton_moe_gemv import moe_nvfp4_gemv, use_moe_gemv
