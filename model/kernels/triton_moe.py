@@ -398,17 +398,17 @@ def _parts(packed, scales, scale_2):
 MoeVariant = Literal["v2", "v6", "v7"]
 """v2: this module's tile kernel; v6: the grouped split-K FMA GEMV of `model.kernels.triton_moe_gemv`
 for decode-sized batches (`use_moe_gemv`: <= 4 slots per expert on average), the tile kernel above.
-v6 is the default: on the H200 at T = 64, 128 experts top-4 (M3.1 widths) its routed path is 1.53x v2's
-and the layer 3.90x the bf16 torch layer (benchmarks/RESULTS.md, session 5). v7: the CUDA tensor-core
-kernel of `model.kernels.cuda_moe` (`use_moe_mma`: <= 8 slots per expert on average; D, F multiples of
-64), v6's choice otherwise; not the default until timed on the GPU."""
+v7 (the default): the CUDA tensor-core kernel of `model.kernels.cuda_moe` (`use_moe_mma`: CUDA, <= 8
+slots per expert on average; D, F multiples of 64), v6's choice otherwise (the CPU, other shapes). On the
+H200 at M3 widths, 128 experts top-4, the routed part is 2.0-4.5x v6 at T = 1-64 and 9.5x at 256
+(3.78 TB/s at T = 64; benchmarks/RESULTS.md, session 12)."""
 
 
 @opaque_to_compile
 def moe_nvfp4_triton(
     x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
     w1: tuple, w3: tuple, w2: tuple, *, swiglu_alpha: float, swiglu_limit: float,
-    out_TD: torch.Tensor | None = None, variant: MoeVariant = "v6", shared_TD: torch.Tensor | None = None,
+    out_TD: torch.Tensor | None = None, variant: MoeVariant = "v7", shared_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for bf16 x_TD [T, D]; each w* = (packed uint8
     [E, out, in/2], scales e4m3 [E, out, in/16], scale_2 fp32 [E]). No host syncs. variant: see
