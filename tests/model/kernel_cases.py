@@ -1027,7 +1027,7 @@ def moe_combine_bit_exact_with_torch(device):
     equals `moe_experts(...) + f(x)` exactly."""
     from unittest import mock
 
-    from model.kernels import triton_moe, triton_moe_gemv
+    from model.kernels import triton_moe, triton_moe_combine, triton_moe_gemv
     from model.kernels.moe import moe_experts
     from model.kernels.triton_moe_combine import moe_combine, moe_combine_ref
 
@@ -1065,6 +1065,7 @@ def moe_combine_bit_exact_with_torch(device):
         torch.inference_mode(),
         mock.patch.object(triton_moe, "moe_combine", combine),
         mock.patch.object(triton_moe_gemv, "moe_combine", combine),
+        mock.patch.object(triton_moe_combine, "moe_combine", combine),  # cuda_moe imports it at call time
     ):
         fused = moe_experts(x, ids, w, bank, shared=lambda x_TD: shared)
         apart = moe_experts(x, ids, w, bank) + shared
