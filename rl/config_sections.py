@@ -265,6 +265,10 @@ class RolloutSection:
     # decode steps on the H200 at `small` (benchmarks/RESULTS.md, 2026-12-02) for a one-time compile
     # of 0.5-3 min; on the CPU it also turns on the padded (static) decode path.
     compile_decode: bool = False
+    # Native engine: launch each padded all-decode step before the previous one's tokens are read back
+    # (the host's bookkeeping overlaps the device; tokens and log-probs unchanged); null = on wherever
+    # the padded path runs (graphs or compile_decode), false = read back every step first.
+    async_decode: bool | None = None
     # vLLM backend only: how adapters reach vLLM ("auto": in memory where tested, else a RAM-backed
     # directory), the dtype it computes in (None = model.dtype) and its context length; its DSpark
     # drafter is rollout.dspark.drafter.
@@ -309,6 +313,12 @@ class RolloutSection:
                 "rollout.compile_decode=true compiles the native engine's padded decode pass, which runs "
                 "only without DSpark and DEP / DCP: set rollout.compile_decode=false, or "
                 "rollout.backend=native rollout.engine_parallel=none rollout.dspark.drafter=null",
+            )
+        if self.async_decode:
+            require(
+                self.backend == "native" and self.engine_parallel == "none" and self.dspark.drafter is None,
+                "rollout.async_decode=true launches the native engine's padded decode steps ahead, which "
+                "run only without DSpark and DEP / DCP: set rollout.async_decode=null (on where it can be)",
             )
         at_least(self, "rollout", 0, "temperature", "num_gpus")
         if self.multi_turn.enabled:

@@ -186,6 +186,7 @@ class RolloutWorker:
             spec=spec,
             cuda_graphs=cfg.rollout.cuda_graphs,
             compile_decode=cfg.rollout.compile_decode,
+            async_decode=cfg.rollout.async_decode,
         )
         self._spec_seen = (0, 0)  # (verification passes, accepted drafts) already reported
 

@@ -150,6 +150,9 @@ def test_invalid_values_fail_validation_with_the_field_name():
         load_config("quickstart", ["algo.mini_batch_prompts=5"])
     with pytest.raises(ValueError, match=r"model.preset: unknown preset 'huge'"):
         load_config("quickstart", ["model.preset=huge"])
+    with pytest.raises(ValueError, match=r"rollout.async_decode=true .* set rollout.async_decode=null"):
+        load_config("quickstart", ["rollout.async_decode=true", "rollout.backend=vllm"])
+    assert load_config("quickstart", ["rollout.async_decode=false"]).rollout.async_decode is False
 
 
 def test_defaults_compose_in_order_then_own_body_wins(tmp_path):
