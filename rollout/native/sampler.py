@@ -13,6 +13,7 @@ rows, so a seed reproduces it and a preempted sample redraws the same tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Design notes (moved from the module docstring)
@@ -145,10 +146,29 @@ def counter_noise(keys_B: torch.Tensor, is_active_B: torch.Tensor, n: int, expon
     return counter_noise_torch(keys_B, is_active_B, n, exponential)
 
 
+_VECTOR_ROWS = 16  # from this many rows numpy draws the keys (a Python loop costs ~1 us per row)
+
+
+def _splitmix64_np(z: np.ndarray) -> np.ndarray:
+    """`splitmix64` on uint64 arrays (numpy's uint64 products wrap, as the & _M64 above)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return z ^ (z >> np.uint64(31))
+
+
 def draw_keys(rngs: list[CounterRNG | None]) -> list[int]:
     """Each row's key of this step (0 for None rows, which draw nothing); in row order, so an rng
-    shared by several rows gives each its next draw."""
-    return [0 if r is None else r.next_key() for r in rngs]
+    shared by several rows gives each its next draw. Many distinct rngs: one vectorized `next_key`."""
+    live = [r for r in rngs if r is not None]
+    if len(live) < _VECTOR_ROWS or len({id(r) for r in live}) != len(live):
+        return [0 if r is None else r.next_key() for r in rngs]
+    seeds = np.array([r.seed & _M64 for r in live], dtype=np.uint64)
+    draws = np.array([r.draws for r in live], dtype=np.uint64)
+    inner = _splitmix64_np(draws + np.uint64(_GOLDEN))
+    keys = iter(_splitmix64_np(seeds * np.uint64(_GOLDEN) + inner).view(np.int64).tolist())
+    for r in live:
+        r.draws += 1
+    return [0 if r is None else next(keys) for r in rngs]
 
 
 def _draw(rngs: list[CounterRNG | None], n: int, device: torch.device, exponential: bool) -> torch.Tensor:

@@ -221,3 +221,23 @@ def test_banned_ids_are_never_drawn_and_keep_the_full_vocabulary_logprob():
     ]
     assert torch.equal(tok, ref_tok) and torch.equal(lp, ref_lp)
     assert not set(tok.tolist()) & set(banned.tolist())
+
+
+def test_draw_keys_for_many_rows_equal_each_rngs_next_key():
+    """The vectorized draw (many distinct rngs) gives `next_key`'s bits and advances every counter once;
+    a shared rng still gives each of its rows the next draw."""
+    g = torch.Generator().manual_seed(5)
+    seeds = [int(s) for s in torch.randint(-(2**63), 2**63 - 1, (40,), generator=g)]
+    seeds += [0, 2**63 - 1, -(2**63)]
+    rngs = [sampler.CounterRNG(s) for s in seeds]
+    twins = [sampler.CounterRNG(s) for s in seeds]
+    for r, t, k in zip(rngs, twins, range(len(seeds))):
+        r.draws = t.draws = k * 977  # counters far apart
+    rows = [None, *rngs[:20], None, *rngs[20:]]
+    for _ in range(3):
+        want = [0 if r is None else twins[rngs.index(r)].next_key() for r in rows]
+        assert sampler.draw_keys(rows) == want
+    assert [r.draws for r in rngs] == [t.draws for t in twins]
+    twin = sampler.CounterRNG(seeds[0])
+    twin.draws = rngs[0].draws
+    assert sampler.draw_keys([rngs[0]] * 20) == [twin.next_key() for _ in range(20)]
