@@ -7,8 +7,8 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v2 v6]   (MoE v6 vs v2: --only moe --variants v6; with the CUDA v7: --only moe
-       --variants v6 v7; attention v2 vs v6 vs FP8: --only attention --variants v2 v6)
+       [--variants v2 v6]   (MoE: --only moe --variants v2 v7, the CUDA v7 vs the v2 tile kernel;
+       attention v2 vs v6 vs FP8: --only attention --variants v2 v6)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -31,8 +31,6 @@ from model.kernels.triton_indexer import (
 )
 from model.kernels.triton_kv_append import kv_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
-from model.kernels.triton_moe_gemv import _down_tuned as _moe_gemv_down_tuned
-from model.kernels.triton_moe_gemv import _glu_tuned as _moe_gemv_glu_tuned
 from model.kernels.triton_sparse_attention import (
     _sparse_attn_tuned,
     _sparse_attn_v6_tuned,
@@ -59,18 +57,18 @@ from model.layers.moe import ExpertBank
 # autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel).
 # NVFP4 and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio
 # table prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by
-# the v2 tile kernel, by v6 (`model.kernels.triton_moe_gemv`, the default at decode sizes) and by v7
-# (`model.kernels.cuda_moe`, CUDA mma.sync) side by side, routed and layer times per variant, then each
-# vs v2 (v2 is always timed, as the baseline).
+# the v2 tile kernel and by v7 (`model.kernels.cuda_moe`, CUDA mma.sync, the default at decode sizes)
+# side by side, routed and layer times per variant, then v7 vs v2 (v2 is always timed, as the
+# baseline).
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v6"),
     "attention": ("v2", "v6"),
     "gemv": ("v2", "v3"),
-    "moe": ("v2", "v6", "v7"),
+    "moe": ("v2", "v7"),
 }
-OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v6")}
+OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v7")}
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 
@@ -360,9 +358,9 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=OP_DEFAULTS["gemv"]) ->
 
 
 def run_moe_layer(cfg: ModelConfig, device, T: int = 64, variants: tuple = ("v2",)) -> None:
-    """Routed experts (`moe_nvfp4_triton(variant=)`: v2 the tile kernel, v6 the grouped split-K FMA
-    GEMV of `triton_moe_gemv`) and the whole layer (+ the NVFP4 shared expert) per variant, vs the
-    naive torch NVFP4 path and a bf16 grouped torch layer; ratio rows v6 vs v2 (routed and layer)."""
+    """Routed experts (`moe_nvfp4_triton(variant=)`: v2 the tile kernel, v7 the CUDA mma kernel of
+    `cuda_moe`) and the whole layer (+ the NVFP4 shared expert) per variant, vs the naive torch NVFP4
+    path and a bf16 grouped torch layer; ratio rows v7 vs v2 (routed and layer)."""
     E, D, K = cfg.num_local_experts, cfg.hidden_size, cfg.num_experts_per_tok
     F_, Fs = cfg.moe_intermediate_size, cfg.shared_intermediate_size
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
@@ -414,10 +412,7 @@ def run_moe_layer(cfg: ModelConfig, device, T: int = 64, variants: tuple = ("v2"
         t_routed_graph = bench_graph(routed)
         t_layer[variant] = bench(triton_layer)
         t_layer_graph = bench_graph(triton_layer)
-        if variant == "v6":
-            tuners = (("glu", _moe_gemv_glu_tuned), ("down", _moe_gemv_down_tuned))
-            config = "; ".join(f"{name} {getattr(t, 'best_config', None)}" for name, t in tuners)
-        elif variant == "v7":
+        if variant == "v7":
             config = "cuda_moe mma.sync (fixed tiles)"
         else:
             config = str(getattr(_nvfp4_moe_tuned, "best_config", None))
@@ -472,8 +467,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"],
                     help="versions to time side by side, each op taking those it has (indexer v2 v6, "
-                         "attention v2 v6, gemv v2 v3, moe v2 v6 v7; the first named is the baseline of the "
-                         "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v6")  # fmt: skip
+                         "attention v2 v6, gemv v2 v3, moe v2 v7; the first named is the baseline of the "
+                         "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v7")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json

@@ -250,41 +250,6 @@ def gemv_cases() -> list[Case]:
     return out
 
 
-def moe_gemv_cases() -> list[Case]:
-    """Routed MoE v6 (`triton_moe_gemv`) at M3 decode shapes: the GLU (w1 + w3) and down launches of
-    every autotuned configuration. "MR=all" is the launched kernel (the branch over 1-4 valid rows:
-    its registers, spills and programs per SM are what runs; its loop columns show one of the four
-    loops); "MR=r" compiles only the r-row loop (ONLY_MR), so per_elem is the SASS per weight at r rows
-    (GLU: per weight of either matrix; K step BK34 at 3-4 rows, BK at 1-2)."""
-    from model.kernels import triton_moe_gemv as m
-
-    ptrs = dict(x_ptr="bf16", rows_ptr="i32", block_expert_ptr="i32", router_w_ptr="fp32", wa_ptr="i32",
-                sa_ptr="u8", sc2a_ptr="fp32", wb_ptr="i32", sb_ptr="u8", sc2b_ptr="fp32", part_ptr="fp32",
-                cnt_ptr="i32")  # fmt: skip
-    out = []
-    for cfg in m._CONFIGS:
-        kw = cfg.kwargs
-        for glu in (True, False):
-            for mr in (0, 1, 2, 3, 4):
-                step = kw["BK34"] if mr > 2 else kw["BK"]
-                n_mat = 2 if glu else 1
-                out.append(
-                    Case(
-                        f"moe_gemv v6 {'glu' if glu else 'down'} MR={mr or 'all'} BN={kw['BN']} "
-                        f"BK={kw['BK']} BK34={kw['BK34']} SPLIT_K={kw['SPLIT_K']}",
-                        m._moe_gemv_kernel,
-                        dict(TOPK=4, RB=m.ROW_BLOCK, GLU=glu, HW=True, ONLY_MR=mr, **kw),
-                        {**ptrs, "out_ptr": "bf16" if glu else "fp32"},
-                        floats={"swiglu_alpha", "swiglu_limit"},
-                        num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages,
-                        elems=kw["BN"] * step * n_mat // (32 * cfg.num_warps) if mr else None,
-                        tile_bytes=kw["BN"] * step * 9 // 16 * n_mat,
-                    )
-                )
-    return out
-
-
 def tile_cases(linear: bool) -> list[Case]:
     from model.kernels import triton_moe as m
 
@@ -446,7 +411,6 @@ def moe_glue_cases() -> list[Case]:
 GROUPS = {
     "gemv": gemv_cases,
     "moe": lambda: tile_cases(linear=False),
-    "moe_gemv": moe_gemv_cases,
     "indexer": indexer_cases,
     "attention": attention_cases,
     "append": append_cases,

@@ -9,13 +9,13 @@ profiles exactly one launch per (kernel, cache format) and nothing of the set-up
 script: decode_kernels.py times hundreds of launches (autotune, graphs, baselines) that would each be
 replayed by ncu. Shapes as decode_kernels.py (M3.1-Flash, B=64, 128K context; GEMV 6144 x 6144).
 
-`--only moe` profiles the routed experts' launches (v6: fused gate/up + swigluoai, then down; v7, the
-CUDA mma kernels of model/kernels/cuda_moe.py: `--variants v6 v7`) at M3.1-Flash widths for --batch
-tokens (random top-k ids, every token K distinct experts).
+`--only moe` profiles the routed experts' launches (v7, the default: the CUDA mma kernels of
+model/kernels/cuda_moe.py, fused gate/up + swigluoai, then down; the v2 tile kernel: `--variants v2
+v7`) at M3.1-Flash widths for --batch tokens (random top-k ids, every token K distinct experts).
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv moe] [--batch 64] [--context 131072]
        [--variants v2 v6 v7]   (each op profiles the named versions it has, else its default: indexer
-       v6, attention v6, moe v6; attention v2 vs v6: --only attention --variants v2 v6)
+       v6, attention v6, moe v7; attention v2 vs v6: --only attention --variants v2 v6)
 """
 
 import argparse
@@ -116,7 +116,7 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(B)])
         wts = torch.rand(B, K, device=device)
         kw = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
-        for v in versions("moe", "v6"):  # v2 tile kernel, v6 FMA GEMV, v7 CUDA mma (cuda_moe)
+        for v in versions("moe", "v7"):  # v2 tile kernel, v7 CUDA mma (cuda_moe)
             launches.append(
                 (
                     f"moe routed {v} T={B}",

@@ -5,9 +5,9 @@ per step; NVFP4 moves 3.56x fewer bytes than bf16 if the weights are decoded in 
 written back (the torch path dequantizes to bf16 in memory first). Token-slots are grouped by expert
 on device in one launch (`_group_by_expert`: `_group_kernel`) into BM-row blocks, one [BM, BN] tile
 per program, bf16 tensor-core dots. Also the one-matrix LINEAR path (`nvfp4_linear_triton`, the
-shared expert `nvfp4_mlp_triton`) above the <= 4-row GEMV of `model.kernels.triton_gemv`;
-decode-sized routed batches take the FMA kernel of `model.kernels.triton_moe_gemv` (`variant="v6"`,
-the default).
+shared expert `nvfp4_mlp_triton`) above the <= 4-row GEMV of `model.kernels.triton_gemv`. On CUDA,
+decode-sized routed batches take the tensor-core kernel of `model.kernels.cuda_moe` (`variant="v7"`,
+the default); the tile kernel here serves every other size and device Triton runs on.
 
 Invariants: no host sync; the weights multiplied are exactly bf16(e2m1 * (float(s) * scale_2)), as
 `nvfp4_linear` / `ExpertBank.dequantized` (both decodes; no lookup table); fp32 accumulation; the
@@ -301,7 +301,7 @@ def _group_by_expert(
     ids_S: torch.Tensor, n_experts: int, *, block_rows: int = BM
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [MB * block_rows] int32 slot or -1, block_expert [MB] int32 expert or -1), on device, no
-    sync. block_rows: rows per block (BM here; 4 for the FMA GEMV path of `triton_moe_gemv`). Where
+    sync. block_rows: rows per block (BM here; 8 for the mma kernel of `cuda_moe`). Where
     Triton runs (CUDA, the interpreter) up to GROUP_MAX_SLOTS slots: `_group_kernel` (one launch,
     equal to the torch twin)."""
     S = ids_S.numel()
@@ -395,13 +395,12 @@ def _parts(packed, scales, scale_2):
     return packed.view(torch.int32), scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
 
 
-MoeVariant = Literal["v2", "v6", "v7"]
-"""v2: this module's tile kernel; v6: the grouped split-K FMA GEMV of `model.kernels.triton_moe_gemv`
-for decode-sized batches (`use_moe_gemv`: <= 4 slots per expert on average), the tile kernel above.
-v7 (the default): the CUDA tensor-core kernel of `model.kernels.cuda_moe` (`use_moe_mma`: CUDA, <= 8
-slots per expert on average; D, F multiples of 64), v6's choice otherwise (the CPU, other shapes). On the
-H200 at M3 widths, 128 experts top-4, the routed part is 2.0-4.5x v6 at T = 1-64 and 9.5x at 256
-(3.78 TB/s at T = 64; benchmarks/RESULTS.md, session 12)."""
+MoeVariant = Literal["v2", "v7"]
+"""v2: this module's tile kernel, every size. v7 (the default): the CUDA tensor-core kernel of
+`model.kernels.cuda_moe` (`use_moe_mma`: CUDA, <= 8 slots per expert on average; D, F multiples of
+64), the tile kernel otherwise (the interpreter, larger batches, other shapes). On the H200 at M3
+widths, 128 experts top-4, the routed part is 2.0-4.5x v6 (the FMA GEMV it replaced) at T = 1-64 and
+9.5x at 256 (3.78 TB/s at T = 64; benchmarks/RESULTS.md, session 12)."""
 
 
 @opaque_to_compile
@@ -423,14 +422,6 @@ def moe_nvfp4_triton(
         if use_moe_mma(T * K, E) and moe_mma_supported(x_TD, w1[0]):
             return moe_nvfp4_mma(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2, swiglu_alpha=swiglu_alpha,
                                  swiglu_limit=swiglu_limit, out_TD=out_TD, shared_TD=shared_TD)  # fmt: skip
-        variant = "v6"
-    if variant == "v6":
-        # Imported here: triton_moe_gemv builds on this module (grouping, word views).
-        from model.kernels.triton_moe_gemv import moe_nvfp4_gemv, use_moe_gemv
-
-        if use_moe_gemv(T * K, E):
-            return moe_nvfp4_gemv(x_TD, topk_ids_TK, topk_weights_TK, w1, w3, w2, swiglu_alpha=swiglu_alpha,
-                                  swiglu_limit=swiglu_limit, out_TD=out_TD, shared_TD=shared_TD)  # fmt: skip
     elif variant != "v2":
         raise ValueError(f"moe_nvfp4_triton: variant must be one of {MoeVariant.__args__}, got {variant!r}")
     if out_TD is None:

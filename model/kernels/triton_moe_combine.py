@@ -3,7 +3,7 @@
 Why: after the routed experts' down projection (`y_SD` fp32, one row per token-slot s = t * K + k,
 router weight applied) the NVFP4 decode path launched `sum(1)`, the cast into `out_TD` and the MoE
 block's `+ shared_experts(x)`: three kernels per MoE layer of a launch-bound decode step; here one.
-Called by `moe_nvfp4_triton` / `moe_nvfp4_gemv`, which run only where Triton runs; other shapes
+Called by `moe_nvfp4_triton` and `cuda_moe.moe_nvfp4_mma`, which run only where Triton runs; other shapes
 (K >= 16, a shared term of another dtype) take `moe_combine_ref`.
 
 Invariants: bit for bit the torch ops it replaces on CUDA: the K slots summed in the order of torch's

@@ -45,6 +45,7 @@ GROUPS = {
         "moe_grouping_kernel_equals_torch",
         "moe_matches_reference",
         "moe_large_groups_match_reference",
+        "moe_v7_falls_back_to_the_tile_kernel",
         "linear_and_shared_expert_match",
         "gemv_v3_split_k_matches_reference",
     ],
@@ -716,8 +717,8 @@ def lora_linear_inference_takes_the_kernel(device):
 def moe_grouping_kernel_equals_torch(device):
     """`_group_kernel` (one launch) gives exactly `group_by_expert_torch`'s rows and block experts:
     one slot, every slot on one expert, random routings with empty and overfull experts, group sizes
-    that are and are not multiples of the block, both block sizes (16, the GEMV path's 4), and the
-    largest slot count it takes."""
+    that are and are not multiples of the block, both block sizes in use (16, `cuda_moe`'s 8), and
+    the largest slot count it takes."""
     from model.kernels.triton_moe import GROUP_MAX_SLOTS, group_by_expert_torch, group_by_expert_triton
 
     gen = torch.Generator().manual_seed(21)
@@ -726,7 +727,7 @@ def moe_grouping_kernel_equals_torch(device):
         cases.append((GROUP_MAX_SLOTS, 256))
     for S, E in cases:
         for ids in (torch.randint(0, E, (S,), generator=gen), torch.full((S,), E - 1)):
-            for rb in (16, 4):
+            for rb in (16, 8):
                 want = group_by_expert_torch(ids, E, block_rows=rb)
                 got = group_by_expert_triton(ids.to(device), E, block_rows=rb)
                 for name, w, g in zip(("rows", "block_expert"), want, got, strict=True):
@@ -786,6 +787,26 @@ def moe_matches_reference(device):
 
 def moe_large_groups_match_reference(device):
     return _moe_check(2, 64, 64, 40, 2, 3, device)  # ~40 tokens per expert: 3 row blocks each
+
+
+def moe_v7_falls_back_to_the_tile_kernel(device):
+    """`moe_nvfp4_triton`'s default (v7) outside the CUDA kernel's domain is the v2 tile kernel, bit
+    for bit: F not a multiple of 64, and more than 8 slots per expert (36 slots on 4 experts); off
+    CUDA (the interpreter) every shape. Inside the domain on CUDA: tests/model/test_cuda_moe.py."""
+    from model.kernels.triton_moe import moe_nvfp4_triton
+
+    gen = torch.Generator().manual_seed(5)
+    for E, D, F, T, K in ((4, 64, 48, 3, 2), (4, 64, 64, 18, 2)):
+        bank = _bank(E, D, F, 6, device)
+        x = torch.randn(T, D, generator=gen).to(torch.bfloat16).to(device)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
+        w = torch.rand(T, K, generator=gen).to(device)
+        parts = [_parts(bank, p) for p in ("w1", "w3", "w2")]
+        kw = dict(swiglu_alpha=bank.swiglu_alpha, swiglu_limit=bank.swiglu_limit)
+        v7, v2 = (moe_nvfp4_triton(x, ids, w, *parts, **kw, variant=v) for v in ("v7", "v2"))
+        if not torch.equal(v7, v2):
+            return False, f"E={E} D={D} F={F} T={T} K={K}: v7 differs from v2 where it should fall back"
+    return True, ""
 
 
 def linear_and_shared_expert_match(device):
@@ -1027,7 +1048,7 @@ def moe_combine_bit_exact_with_torch(device):
     equals `moe_experts(...) + f(x)` exactly."""
     from unittest import mock
 
-    from model.kernels import triton_moe, triton_moe_combine, triton_moe_gemv
+    from model.kernels import triton_moe, triton_moe_combine
     from model.kernels.moe import moe_experts
     from model.kernels.triton_moe_combine import moe_combine, moe_combine_ref
 
@@ -1064,7 +1085,6 @@ def moe_combine_bit_exact_with_torch(device):
     with (
         torch.inference_mode(),
         mock.patch.object(triton_moe, "moe_combine", combine),
-        mock.patch.object(triton_moe_gemv, "moe_combine", combine),
         mock.patch.object(triton_moe_combine, "moe_combine", combine),  # cuda_moe imports it at call time
     ):
         fused = moe_experts(x, ids, w, bank, shared=lambda x_TD: shared)

@@ -44,31 +44,23 @@ def test_safe_do_bench_reraises_errors_that_are_not_compile_failures():
 
 
 def test_every_decode_autotuner_skips_configs_that_fail_to_compile():
-    from model.kernels import (
-        triton_gemv,
-        triton_indexer,
-        triton_moe,
-        triton_moe_gemv,
-        triton_sparse_attention,
-    )
+    from model.kernels import triton_gemv, triton_indexer, triton_moe, triton_sparse_attention
     from model.kernels.triton_common import safe_do_bench
 
     tuners = [triton_indexer._index_scores_tuned, triton_indexer._index_scores_v6_tuned,
               triton_sparse_attention._sparse_attn_tuned, triton_gemv._w4a16_gemv_tuned,
-              triton_moe._nvfp4_moe_tuned, triton_moe_gemv._glu_tuned,
-              triton_moe_gemv._down_tuned]  # fmt: skip
+              triton_moe._nvfp4_moe_tuned]  # fmt: skip
     assert all(t._do_bench is safe_do_bench for t in tuners)
 
 
 def test_decode_autotuners_key_on_size_classes_not_exact_batch_sizes():
     """An engine's batch changes at every step: the varying sizes enter the keys only as classes."""
-    from model.kernels import triton_moe, triton_moe_gemv, triton_sparse_attention
+    from model.kernels import triton_moe, triton_sparse_attention
     from model.kernels.triton_common import tune_class
 
     varying = {"n_slots", "n_rows", "n_mblocks", "n_work", "BPS", "SPLITS"}
     attn = triton_sparse_attention
-    tuners = [attn._sparse_attn_tuned, triton_moe._nvfp4_moe_tuned, triton_moe_gemv._glu_tuned,
-              triton_moe_gemv._down_tuned]  # fmt: skip
+    tuners = [attn._sparse_attn_tuned, triton_moe._nvfp4_moe_tuned]
     for t in tuners:
         assert "tune_class" in t.keys and not varying & set(t.keys), t.keys
     assert tune_class(64) == tune_class(127) != tune_class(128)
