@@ -213,9 +213,15 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     warm = eng.generate(requests(prompts_BS, args.long))  # warm-up: autotuning, compilation, capture
     warmup_s = time.perf_counter() - t0
     reqs_short, reqs_long = requests(prompts_BS, args.short), requests(prompts_BS, args.long)
+    w0 = eng.readback_wait_s
     t_short = timed(lambda: eng.generate(reqs_short), device, args.repeats)
+    w1 = eng.readback_wait_s
     t_long = timed(lambda: eng.generate(reqs_long), device, args.repeats)
+    w2 = eng.readback_wait_s
     step_s = (t_long - t_short) / (args.long - args.short)
+    # Async decode: the host waits for a launched step's tokens only if it is ahead of the device, so a
+    # wait near 0 means a host-bound step and decode - wait is the host loop's own time per step.
+    wait_s = ((w2 - w1) - (w1 - w0)) / args.repeats / (args.long - args.short)
     floor_s, w_bytes, kv_bytes, touched_s = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
     busy, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
     replay_ms = replay_only_ms(eng, B, device)
@@ -231,6 +237,7 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
         "static_steps": eng.runner.static_steps, "captures": eng.runner.num_captures,
         "lookahead_steps": eng.lookahead_steps, "lookahead_discarded": eng.lookahead_discarded,
         "replay_ms": replay_ms, "host_ms": None if replay_ms is None else 1e3 * step_s - replay_ms,
+        "readback_wait_ms": 1e3 * wait_s, "host_loop_ms": 1e3 * (step_s - wait_s),
         "warmup_s": warmup_s, "compile_error": eng.runner.compile_error, **_dynamo_counts(mode),
         **({"top_kernels": top} if args.breakdown else {}),
     }  # fmt: skip

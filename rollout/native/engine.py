@@ -192,6 +192,7 @@ class NativeEngine:
         self._inflight: _Inflight | None = None  # a launched step whose tokens are not read back yet
         self.lookahead_steps = 0  # steps launched ahead of the previous one's read-back
         self.lookahead_discarded = 0  # their rows dropped: the sequence finished on a stop token
+        self.readback_wait_s = 0.0  # host time spent waiting for launched steps' tokens (CUDA)
         scratch = max_pages if use_static else None  # the page past the scheduler's
         self.runner = ModelRunner(model, self.cache, max_num_seqs, static_decode=use_static,
                                   cuda_graphs=use_graphs, scratch_page=scratch,
@@ -436,7 +437,9 @@ class NativeEngine:
         while `nxt` already runs its next token loses that row: its draw and its cache slot are undone,
         so it ends in the state a synchronous engine leaves (parked turns continue from it)."""
         if cur.event is not None:
+            t0 = time.perf_counter()
             cur.event.synchronize()  # SYNC: the scheduler needs the ids (ids and log-probs in one copy)
+            self.readback_wait_s += time.perf_counter() - t0
         tokens, logprobs = cur.host_2B.tolist()
         in_next = {id(s): j for j, s in enumerate(nxt.seqs)} if nxt is not None else {}
         now, finished = time.perf_counter(), []
