@@ -29,8 +29,8 @@
 // 32c + 8t .. +7 of the row), two 64-bit loads; the 4 lanes of a group read 32 contiguous bytes of a
 // row, so every 32-byte sector a warp touches is used whole. Why 64-bit and not 128-bit loads (a lane
 // taking blocks 2t, 2t + 1 of a 128-input span): the register double buffer of a 128-input span needs
-// twice the weight registers (~190 in all, over the 168 of 3 CTAs per SM; the GLU kernel already uses
-// 166 with 64-input chunks), and single-buffering it would leave nothing in flight while a warp
+// twice the weight registers (~190 in all, over the 168 of 3 CTAs per SM, which the GLU kernel already
+// fills with 64-input chunks), and single-buffering it would leave nothing in flight while a warp
 // multiplies. 64-bit loads keep the registers and the bytes in flight per warp of the repacked layout
 // at the cost of one more load per 32 weights per lane. Scales: lane t loads the 4 scale bytes of
 // the chunk (one u32) of row g (t < 2) or row g + 8 (t >= 2), gets the other row's word from lane

@@ -234,9 +234,9 @@ def _selftest(shapes: list[tuple], reps: int) -> list[dict]:
     bounds). shapes: (E, D, F, K, T, weights) with weights "normal" (init_normal_), "random" or
     "special" (`random_bank`). Errors are max |v7 - other| / max |reference|, the reference
     `moe_experts_ref` at small sizes and `moe_experts_torch` (the same bf16 weights, grouped) at M3
-    widths: <= 0.02 expected vs both (v7 multiplies the exact e2m1 * s, the others bf16(e2m1 * s *
-    scale_2)); a flushed bf16 subnormal (the e2m1 0.5 code) would show as a large error on the
-    "special" row only."""
+    widths: <= 0.02 expected vs the reference, about as much vs v2 (v7 multiplies the exact
+    e2m1 * s, both others bf16(e2m1 * s * scale_2)); a flushed bf16 subnormal (the e2m1 0.5 code)
+    would show as a large error on the "special" row only."""
     from model.kernels.moe import moe_experts_ref, moe_experts_torch
     from model.kernels.triton_moe import moe_nvfp4_triton
     from model.layers.moe import ExpertBank

@@ -357,10 +357,11 @@ def _check(x, ids, w, bank, label, with_ref=True):
     scale = want.abs().max().item()
     err = (got - want).abs().max().item()
     assert err <= 2**-7 * scale, f"{label}: vs emulation max err {err} > 2^-7 x {scale}"
-    # v2 (the tile kernel) multiplies bf16(e2m1 * s * scale_2), as the reference does.
+    # v2 (the tile kernel) multiplies bf16(e2m1 * s * scale_2) as the reference does: v7 is off both
+    # by that weight rounding (the emulation above is the tight check); 0.03 allows the two offsets.
     v2 = moe_nvfp4_triton(x, ids, w, *_parts(bank), **_kw(bank), variant="v2").float()
     err = (got - v2).abs().max().item()
-    assert err <= 0.02 * scale, f"{label}: vs v2 max err {err} > 0.02 x {scale}"
+    assert err <= 0.03 * scale, f"{label}: vs v2 max err {err} > 0.03 x {scale}"
     if with_ref:
         big = x.shape[1] * bank.intermediate_size > 1 << 16
         ref = (moe_experts_torch if big else moe_experts_ref)(x, ids, w, bank).float()
