@@ -1,7 +1,7 @@
 // NVFP4 routed-MoE decode on tensor cores (v7): the kernels of model/kernels/cuda_moe.py.
 //
-// One launch of `moe_mma_kernel<GLU, F16_DECODE>` is one of the two MoE projections for every row
-// block (8 token-slots of one expert, `triton_moe._group_by_expert(block_rows=8)`):
+// One launch of `moe_mma_kernel<GLU>` is one of the two MoE projections for every row block (8
+// token-slots of one expert, `triton_moe._group_by_expert(block_rows=8)`):
 //   GLU:  act[r, f] = bf16(swigluoai(bf16(x_r . w1[f] * sc2_1), bf16(x_r . w3[f] * sc2_3)))
 //   down: y[slot, d] = bf16(act_r . w2[d] * sc2_2) * router_w[slot]
 // CTA (blockIdx.x, .y, .z) = (64 output features = MT 16-row tiles, K split, row block); its 4
@@ -10,27 +10,42 @@
 // memory in warp order, the K splits through global partials by the CTA that draws the unit's last
 // ticket, in split order (deterministic; every counter is back at 0 when the launch ends).
 //
+// Weights are read in their canonical storage, no repack: packed uint8 [E, N, I/2] (byte j of a
+// row = inputs 2j (low nibble), 2j + 1), e4m3 scales [E, N, I/16], both contiguous.
+//
 // mma.sync.m16n8k16 bf16 x bf16 -> fp32. A (16 x 16, weights: M = output features, K = inputs) and
 // B (16 x 8, activations: N = the block's 8 slot rows) fragments, lane = 4 g + t (PTX ISA layout):
-//   A reg j (j = 0..3): rows g + 8 (j & 1), MMA columns kappa = 2t + 8 (j >> 1) + {0, 1}
+//   A reg n (n = 0..3): row g + 8 (n & 1), MMA columns kappa = 2t + 8 (n >> 1) + {0, 1}
 //   B reg j (j = 0..1): MMA rows kappa = 2t + 8 j + {0, 1}, column g
 //   C c0..c3: row g + 8 (r >> 1), column 2t + (r & 1)
-// Within a 64-wide chunk, MMA step i (0..3) column kappa maps to input k = 16t + 4i + 2 (kappa >= 8)
-// + (kappa & 1) for kappa in {2t, 2t+1, 2t+8, 2t+9}: a lane's 16 inputs of the chunk are the 16 of
-// NVFP4 scale block t (one scale per row and lane per chunk) and its x fragment is 16 contiguous
-// values (two 16-byte loads). The repack (cuda_moe.py) stores, per (expert, tile, chunk), 32 lanes x
-// 16 bytes: word i = step i, bits 16h + 4n..+3 = A reg n, half h (code bit 3 = sign), and per lane one
-// u16 of scale bytes (row g, row g + 8 of block t).
+// Within a 64-wide chunk, MMA step i (0..3) column kappa maps to input
+//   k = 16t + 8 (i >> 1) + 2 (i & 1) + (kappa >= 8) + 4 (kappa & 1),
+// so a lane's 16 inputs of the chunk are NVFP4 scale block t (one scale per row and lane per chunk),
+// and the two halves of an A register are inputs k and k + 4: nibbles n and n + 4 of a 32-bit word
+// of the canonical row, 16 bits apart, which is what the multiply decode below needs. The B side
+// pairs x the same way (one prmt per B register, shared by all NMAT * MT tiles of the chunk).
 //
-// Decode (bf16, default): A reg n of a word q is ((q' & 0x000F000F or 0x00F000F0) * (2^a + 2^b)) &
-// 0x81C081C0, q' = q or q >> 8: the multiply copies each nibble twice without carries, its sign to
-// bit 15 and its magnitude to bits 6..8 (bf16 exponent lsbs + mantissa msb), so the bf16 value is
-// e2m1 * 2^-126 exactly (code 1 = 0.5 is the subnormal 2^-127). One bf16x2 multiply by the block
-// scale s * 2^119 (exact: s has <= 4 significant bits and s * 2^119 <= 1.75 * 2^127) gives
-// e2m1 * s * 2^-7, exact (<= 6 significant bits, in [2^-17, 21]); the epilogue multiplies the fp32
-// sums by scale_2 * 2^7. F16_DECODE (fallback): the same bits as fp16 (e2m1 * 2^-14, PTX f16
-// arithmetic keeps subnormals), times fp16 s * 2^7, then fp16 -> fp32 -> bf16 (exact), for a GPU
-// whose bf16 multiply flushed the subnormal 0.5.
+// Loads per (tile, chunk) and lane: 8 bytes of row g and 8 of row g + 8 (scale block t = bytes
+// 32c + 8t .. +7 of the row), two 64-bit loads; the 4 lanes of a group read 32 contiguous bytes of a
+// row, so every 32-byte sector a warp touches is used whole. Why 64-bit and not 128-bit loads (a lane
+// taking blocks 2t, 2t + 1 of a 128-input span): the register double buffer of a 128-input span needs
+// twice the weight registers (~190 in all, over the 168 of 3 CTAs per SM, which the GLU kernel already
+// fills with 64-input chunks), and single-buffering it would leave nothing in flight while a warp
+// multiplies. 64-bit loads keep the registers and the bytes in flight per warp of the repacked layout
+// at the cost of one more load per 32 weights per lane. Scales: lane t loads the 4 scale bytes of
+// the chunk (one u32) of row g (t < 2) or row g + 8 (t >= 2), gets the other row's word from lane
+// t ^ 2 (one shfl) and picks byte t of both (one prmt): one register per tile, as the repack's u16
+// pair. Scale loads go through L1 (a 32-byte sector of scales serves 8 chunks, the CTA's 4 warps read
+// it within two rounds); weights stream past L1.
+//
+// Decode: A reg of a word q is ((q & 0x000F000F) * 0x1040) & 0x81C081C0 (nibbles 0, 4) or
+// ((q & 0x00F000F0) * 0x0104) & 0x81C081C0 (nibbles 1, 5); q >> 8 gives nibbles 2, 6 and 3, 7. The
+// multiply copies each nibble twice without carries, its sign to bit 15 and its magnitude to bits
+// 6..8 (bf16 exponent lsbs + mantissa msb), so the bf16 value is e2m1 * 2^-126 exactly (code 1 = 0.5
+// is the subnormal 2^-127). One bf16x2 multiply by the block scale s * 2^119 (exact: s has <= 4
+// significant bits and s * 2^119 <= 1.75 * 2^127) gives e2m1 * s * 2^-7, exact (<= 6 significant
+// bits, in [2^-17, 21]); the epilogue multiplies the fp32 sums by scale_2 * 2^7. PTX's bf16 fma has
+// no .ftz (subnormal inputs and results are kept by definition; checked on the H200).
 
 #include <stdint.h>
 
@@ -48,11 +63,11 @@ struct Params {
   const int* rows;           // [MB * RB] slot or -1
   const int* block_expert;   // [MB] expert or -1
   const float* router_w;     // [S] fp32
-  const uint4* wa;           // repacked [E, n_out / 16, n_in / 64, 32] x 16 bytes (w1 or w2)
-  const uint16_t* sa;        // repacked scale pairs [E, n_out / 16, n_in / 64, 32]
+  const uint8_t* wa;         // packed codes [E, n_out, n_in / 2] (w1 or w2), contiguous
+  const uint8_t* sa;         // e4m3 scale bytes [E, n_out, n_in / 16], contiguous
   const float* sc2a;         // [E]
-  const uint4* wb;           // w3 (GLU only)
-  const uint16_t* sb;
+  const uint8_t* wb;         // w3 (GLU only)
+  const uint8_t* sb;
   const float* sc2b;
   void* out;                 // GLU: bf16 act [MB * RB, n_out]; down: fp32 y [S, n_out]
   long long stride_o;
@@ -62,16 +77,15 @@ struct Params {
   float alpha, limit;
 };
 
-__device__ __forceinline__ uint4 ld_stream_v4(const uint4* p) {
-  uint4 v;  // weights: read once per launch, kept out of L1
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+__device__ __forceinline__ uint2 ld_stream_v2(const uint8_t* p) {
+  uint2 v;  // weights: read once per launch, kept out of L1
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
 
-__device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
-  uint16_t v;
-  asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
+  uint32_t v;  // scales: a sector serves 8 chunks of the CTA, L1-cached
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -84,12 +98,6 @@ __device__ __forceinline__ uint4 ld_v4(const uint16_t* p) {
 __device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
   uint32_t d;  // bf16x2 a * b (+ -0: exact products keep their sign)
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
@@ -129,65 +137,49 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Block scales of a lane's rows g (low byte) and g + 8 (high byte) -> the per-register multipliers:
-// bf16x2 {s * 2^119, s * 2^119} (F16_DECODE: fp16x2 {s * 2^7, s * 2^7}) for row g and row g + 8.
-template <bool F16_DECODE>
-__device__ __forceinline__ void scale_regs(uint32_t pair, uint32_t& s_g, uint32_t& s_g8) {
-  const uint32_t h2 = e4m3x2_to_f16x2(pair);
-  if (F16_DECODE) {
-    const uint32_t m = hmul2(h2, 0x58005800u);  // x {128, 128}: <= 57344, exact
-    s_g = __byte_perm(m, 0, 0x1010);
-    s_g8 = __byte_perm(m, 0, 0x3232);
-  } else {
-    float lo, hi;
-    f16x2_to_f32(h2, lo, hi);
-    s_g = pack_bf16x2(lo * 0x1p119f, lo * 0x1p119f);
-    s_g8 = pack_bf16x2(hi * 0x1p119f, hi * 0x1p119f);
-  }
+// A tile's scale word (this lane's row, see the header) -> the per-register multipliers bf16x2
+// {s * 2^119, s * 2^119} of row g and of row g + 8. sel: this lane's prmt selector, picking byte t of
+// the row-g word into byte 0 and byte t of the row-(g + 8) word into byte 1.
+__device__ __forceinline__ void scale_regs(uint32_t word, uint32_t sel, uint32_t& s_g, uint32_t& s_g8) {
+  const uint32_t other = __shfl_xor_sync(0xffffffffu, word, 2);  // lane t ^ 2: the other row's word
+  float lo, hi;
+  f16x2_to_f32(e4m3x2_to_f16x2(__byte_perm(word, other, sel)), lo, hi);
+  s_g = pack_bf16x2(lo * 0x1p119f, lo * 0x1p119f);
+  s_g8 = pack_bf16x2(hi * 0x1p119f, hi * 0x1p119f);
 }
 
-// One step's word q -> the 4 A registers, e2m1 * s * 2^-7 as bf16 (exact).
-template <bool F16_DECODE>
-__device__ __forceinline__ void decode(uint32_t q, uint32_t s_g, uint32_t s_g8, uint32_t (&a)[4]) {
-  if (F16_DECODE) {
-    const uint32_t S = 0x80008000u, E = 0x0E000E00u;  // fp16 sign, exponent lsbs + mantissa msb
-    uint32_t r[4] = {((q << 12) & S) | ((q << 9) & E), ((q << 8) & S) | ((q << 5) & E),
-                     ((q << 4) & S) | ((q << 1) & E), (q & S) | ((q >> 3) & E)};
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      float lo, hi;
-      f16x2_to_f32(hmul2(r[n], (n & 1) ? s_g8 : s_g), lo, hi);
-      a[n] = pack_bf16x2(lo, hi);
-    }
-  } else {
-    const uint32_t M = 0x81C081C0u;  // bf16 sign, exponent bits 7-8, mantissa msb (both halves)
-    const uint32_t u = q >> 8;
-    a[0] = bmul2(((q & 0x000F000Fu) * 0x1040u) & M, s_g);   // nibble 0: x 2^12 (sign), 2^6 (magnitude)
-    a[1] = bmul2(((q & 0x00F000F0u) * 0x0104u) & M, s_g8);  // nibble 1: x 2^8, 2^2
-    a[2] = bmul2(((u & 0x000F000Fu) * 0x1040u) & M, s_g);   // nibble 2
-    a[3] = bmul2(((u & 0x00F000F0u) * 0x0104u) & M, s_g8);  // nibble 3
-  }
+// One MMA step: words qg / qg8 of rows g / g + 8 with the step's codes in nibbles 0, 1, 4, 5 -> the
+// 4 A registers, e2m1 * s * 2^-7 as bf16 (exact).
+__device__ __forceinline__ void decode(uint32_t qg, uint32_t qg8, uint32_t s_g, uint32_t s_g8, uint32_t (&a)[4]) {
+  const uint32_t M = 0x81C081C0u;  // bf16 sign, exponent bits 7-8, mantissa msb (both halves)
+  a[0] = bmul2(((qg & 0x000F000Fu) * 0x1040u) & M, s_g);    // nibbles 0, 4: x 2^12 (sign), 2^6 (magnitude)
+  a[1] = bmul2(((qg8 & 0x000F000Fu) * 0x1040u) & M, s_g8);
+  a[2] = bmul2(((qg & 0x00F000F0u) * 0x0104u) & M, s_g);    // nibbles 1, 5: x 2^8, 2^2
+  a[3] = bmul2(((qg8 & 0x00F000F0u) * 0x0104u) & M, s_g8);
 }
 
 template <int NMAT>
 struct Chunk {
-  uint4 w[NMAT][MT];      // a lane's 16 bytes of each tile
-  uint32_t s[NMAT][MT];   // its scale pair of each tile
-  uint4 x0, x1;           // its 16 activation values of the chunk
+  uint2 wg[NMAT][MT], wg8[NMAT][MT];  // a lane's 8 bytes of rows g and g + 8 of each tile
+  uint32_t s[NMAT][MT];               // its scale word of each tile
+  uint4 x0, x1;                       // its 16 activation values of the chunk
 };
 
+// w_lane / s_lane: byte offsets (within a matrix) of this lane's row g, block t and of its scale row,
+// chunk 0, tile 0. Rows of the tile are n_in / 2 (codes) and n_in / 16 (scales) bytes apart.
 template <int NMAT>
-__device__ __forceinline__ void load_chunk(Chunk<NMAT>& ch, const Params& p, size_t tile0, int kc, int c,
+__device__ __forceinline__ void load_chunk(Chunk<NMAT>& ch, const Params& p, size_t w_lane, size_t s_lane, int c,
                                            int lane, const uint16_t* xrow) {
+  const size_t w_row = p.n_in / 2, s_row = p.n_in / 16;
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
-    const uint4* w = m == 0 ? p.wa : p.wb;
-    const uint16_t* s = m == 0 ? p.sa : p.sb;
+    const uint8_t* w = (m == 0 ? p.wa : p.wb) + w_lane + (size_t)c * 32;
+    const uint8_t* s = (m == 0 ? p.sa : p.sb) + s_lane + (size_t)c * 4;
 #pragma unroll
     for (int tt = 0; tt < MT; ++tt) {
-      const size_t idx = ((tile0 + tt) * kc + c) * 32 + lane;
-      ch.w[m][tt] = ld_stream_v4(w + idx);
-      ch.s[m][tt] = ld_stream_u16(s + idx);
+      ch.wg[m][tt] = ld_stream_v2(w + (16 * tt) * w_row);
+      ch.wg8[m][tt] = ld_stream_v2(w + (16 * tt + 8) * w_row);
+      ch.s[m][tt] = ld_u32(s + (16 * tt) * s_row);
     }
   }
   const uint16_t* xp = xrow + (size_t)c * 64 + (lane & 3) * 16;
@@ -195,27 +187,37 @@ __device__ __forceinline__ void load_chunk(Chunk<NMAT>& ch, const Params& p, siz
   ch.x1 = ld_v4(xp + 8);
 }
 
-template <int NMAT, bool F16_DECODE>
-__device__ __forceinline__ void compute_chunk(const Chunk<NMAT>& ch, float (&acc)[NMAT][MT][4]) {
-  const uint32_t xb[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
+template <int NMAT>
+__device__ __forceinline__ void compute_chunk(const Chunk<NMAT>& ch, uint32_t sel, float (&acc)[NMAT][MT][4]) {
+  // x word j = inputs (2j, 2j + 1) of the lane's block; step i takes inputs b, b + 4 (B reg 0) and
+  // b + 1, b + 5 (B reg 1), b = 8 (i >> 1) + 2 (i & 1): words w = b / 2 and w + 2, low or high halves.
+  const uint32_t xw[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
+  uint32_t xb[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int w = 4 * (i >> 1) + (i & 1);
+    xb[2 * i] = __byte_perm(xw[w], xw[w + 2], 0x5410);
+    xb[2 * i + 1] = __byte_perm(xw[w], xw[w + 2], 0x7632);
+  }
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
 #pragma unroll
     for (int tt = 0; tt < MT; ++tt) {
       uint32_t s_g, s_g8;
-      scale_regs<F16_DECODE>(ch.s[m][tt], s_g, s_g8);
-      const uint32_t q[4] = {ch.w[m][tt].x, ch.w[m][tt].y, ch.w[m][tt].z, ch.w[m][tt].w};
+      scale_regs(ch.s[m][tt], sel, s_g, s_g8);
+      const uint32_t qg[2] = {ch.wg[m][tt].x, ch.wg[m][tt].y}, qg8[2] = {ch.wg8[m][tt].x, ch.wg8[m][tt].y};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
         uint32_t a[4];
-        decode<F16_DECODE>(q[i], s_g, s_g8, a);
+        decode(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
         mma_bf16(acc[m][tt], a, xb[2 * i], xb[2 * i + 1]);
       }
     }
   }
 }
 
-template <bool GLU, bool F16_DECODE>
+template <bool GLU>
 __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
   constexpr int NMAT = GLU ? 2 : 1;
   constexpr int NV = NMAT * 4;  // fp32 values per thread after the warp reduction
@@ -239,7 +241,11 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
   const int per_split = (kc + p.split - 1) / p.split;
   const int c_begin = blockIdx.y * per_split;
   const int c_end = min(kc, c_begin + per_split);
-  const size_t tile0 = (size_t)e * (p.n_out / 16) + (size_t)blockIdx.x * MT;
+  // Row g of tile 0 of this CTA, block t of chunk 0; the scale row is g (t < 2) or g + 8 (t >= 2).
+  const size_t row_g = (size_t)e * p.n_out + (size_t)blockIdx.x * (16 * MT) + g;
+  const size_t w_lane = row_g * (size_t)(p.n_in / 2) + 8 * t;
+  const size_t s_lane = (row_g + 8 * (t >> 1)) * (size_t)(p.n_in / 16);
+  const uint32_t sel = t < 2 ? (t | (4 + t) << 4) : ((4 + t) | t << 4);
 
   float acc[NMAT][MT][4];
 #pragma unroll
@@ -254,11 +260,11 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
   int c = c_begin + warp;
   if (c < c_end) {
     Chunk<NMAT> cur;
-    load_chunk<NMAT>(cur, p, tile0, kc, c, lane, xrow);
+    load_chunk<NMAT>(cur, p, w_lane, s_lane, c, lane, xrow);
     for (; c < c_end; c += WARPS) {
       Chunk<NMAT> nxt;
-      load_chunk<NMAT>(nxt, p, tile0, kc, min(c + WARPS, c_end - 1), lane, xrow);
-      compute_chunk<NMAT, F16_DECODE>(cur, acc);
+      load_chunk<NMAT>(nxt, p, w_lane, s_lane, min(c + WARPS, c_end - 1), lane, xrow);
+      compute_chunk<NMAT>(cur, sel, acc);
       cur = nxt;
     }
   }
@@ -314,7 +320,7 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
     if (slot < 0) continue;
     const int f = f0 + 8 * (r >> 1);
     if (GLU) {
-      // swigluoai on the bf16-rounded projections, as the tile kernel and v6 compute it.
+      // swigluoai on the bf16-rounded projections, as the tile kernel (v2) computes it.
       const float gate = fminf(bf16_round(v[r] * sca), p.limit);
       const float up = fminf(fmaxf(bf16_round(v[4 + r] * scb), -p.limit), p.limit);
       const float act = gate * (1.f / (1.f + expf(-(p.alpha * gate)))) * (up + 1.f);
@@ -333,13 +339,13 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-// Host launcher (load_inline binds it): one projection launch, see Params. Shapes and dtypes are
-// checked by the Python wrapper (model/kernels/cuda_moe.py).
+// Host launcher (load_inline binds it): one projection launch, see Params. Shapes, dtypes,
+// contiguity and alignment are checked by the Python wrapper (model/kernels/cuda_moe.py).
 void moe_mma_launch(torch::Tensor x, torch::Tensor rows, torch::Tensor block_expert, torch::Tensor router_w,
                     torch::Tensor wa, torch::Tensor sa, torch::Tensor sc2a, torch::Tensor wb, torch::Tensor sb,
                     torch::Tensor sc2b, torch::Tensor out, torch::Tensor part, torch::Tensor counters,
                     int64_t n_out, int64_t n_in, int64_t topk, int64_t split, double alpha, double limit,
-                    bool glu, bool f16_decode) {
+                    bool glu) {
   const c10::cuda::CUDAGuard device_guard(x.device());
   cuda_moe::Params p;
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -347,11 +353,11 @@ void moe_mma_launch(torch::Tensor x, torch::Tensor rows, torch::Tensor block_exp
   p.rows = rows.data_ptr<int>();
   p.block_expert = block_expert.data_ptr<int>();
   p.router_w = router_w.data_ptr<float>();
-  p.wa = reinterpret_cast<const uint4*>(wa.data_ptr());
-  p.sa = reinterpret_cast<const uint16_t*>(sa.data_ptr());
+  p.wa = reinterpret_cast<const uint8_t*>(wa.data_ptr());
+  p.sa = reinterpret_cast<const uint8_t*>(sa.data_ptr());
   p.sc2a = sc2a.data_ptr<float>();
-  p.wb = reinterpret_cast<const uint4*>(wb.data_ptr());
-  p.sb = reinterpret_cast<const uint16_t*>(sb.data_ptr());
+  p.wb = reinterpret_cast<const uint8_t*>(wb.data_ptr());
+  p.sb = reinterpret_cast<const uint8_t*>(sb.data_ptr());
   p.sc2b = sc2b.data_ptr<float>();
   p.out = out.data_ptr();
   p.stride_o = out.stride(0);
@@ -366,14 +372,10 @@ void moe_mma_launch(torch::Tensor x, torch::Tensor rows, torch::Tensor block_exp
   const dim3 grid(static_cast<unsigned>(n_out / (16 * cuda_moe::MT)), static_cast<unsigned>(split),
                   static_cast<unsigned>(block_expert.numel()));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (glu && f16_decode) {
-    cuda_moe::moe_mma_kernel<true, true><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
-  } else if (glu) {
-    cuda_moe::moe_mma_kernel<true, false><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
-  } else if (f16_decode) {
-    cuda_moe::moe_mma_kernel<false, true><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
+  if (glu) {
+    cuda_moe::moe_mma_kernel<true><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
   } else {
-    cuda_moe::moe_mma_kernel<false, false><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
+    cuda_moe::moe_mma_kernel<false><<<grid, cuda_moe::THREADS, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

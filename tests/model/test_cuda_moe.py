@@ -1,12 +1,16 @@
 """v7 CUDA tensor-core MoE decode (model/kernels/cuda_moe.py + cuda_moe.cu).
 
-CPU: the repack is a bijection, and a torch emulation of each lane's registers (the kernel's integer
-decode ops, both decodes, and the mma.m16n8k16 fragment layouts of the PTX ISA written out below)
-reproduces `nvfp4.dequantize` exactly and the MMA's product. GPU (-m gpu): `moe_nvfp4_mma` against
-an emulation of the same roundings, `moe_experts_ref`, and v6 (`moe_nvfp4_gemv`) at T in {1, 4, 64,
-256}, tiny and M3.1 shapes; padding rows and multi-block experts; special values (every E2M1 code
-with e4m3 subnormal scales: a flushing bf16 multiply shows up as a wrong 0.5 code); CUDA-graph replay;
-the shared-expert add; determinism and split counters back at 0.
+CPU: a torch emulation of each lane, loading from the canonical NVFP4 tensors exactly as the kernel
+addresses them (two 8-byte code loads per tile and chunk, a 4-byte scale word, the shfl of the other
+row's word and the prmt picking the lane's two scale bytes), then the kernel's integer decode ops and
+the mma.m16n8k16 fragment layouts of the PTX ISA written out below, reproduces `nvfp4.dequantize`
+exactly (every code, e4m3 subnormal scales, 0 and 448) and the MMA's product (with the x-pair prmts);
+the loads cover every weight byte once, in whole 32-byte sectors. GPU (-m gpu): `moe_nvfp4_mma`
+against an emulation of the same roundings, `moe_experts_ref` and the v2 tile kernel at T in {1, 4, 64,
+256}, tiny and M3.1 shapes; padding rows and multi-block experts; special values (every E2M1 code with
+e4m3 subnormal scales: a flushing bf16 multiply shows up as a wrong 0.5 code); in-place weight
+updates and expert-sliced banks (the kernel reads the bank, nothing cached); CUDA-graph replay; the
+shared-expert add; determinism and split counters back at 0.
 
 PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID_in_group (g, t):
   A a_i (i = 0..7, two per .b32 register, a_{2n} in the low half of register n):
@@ -14,7 +18,7 @@ PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID
   B b_i (i = 0..3): row = 2t + (i & 1) + 8 * (i >= 2); col = g
   C c_i (i = 0..3): row = g + 8 * (i >= 2); col = 2t + (i & 1)
 Kernel map of MMA column kappa of step i (0..3) of a 64-wide chunk to input k (A and B alike):
-  k = 16t + 4i + 2 * (kappa >= 8) + (kappa & 1), for the kappa a lane holds (2t, 2t+1, 2t+8, 2t+9).
+  k = 16t + 8 * (i >> 1) + 2 * (i & 1) + (kappa >= 8) + 4 * (kappa & 1).
 """
 
 import functools
@@ -23,9 +27,10 @@ import pytest
 import torch
 
 from model import nvfp4
-from model.kernels.cuda_moe import random_bank, repack_nvfp4_mma, split_k, unpack_nvfp4_mma, use_moe_mma
+from model.kernels.cuda_moe import _canonical, random_bank, split_k, use_moe_mma
 
 MASK32 = 0xFFFFFFFF
+MT = 4  # tiles per CTA (cuda_moe.cu)
 
 
 # ------------------------------------------------------------------------------- layouts (PTX ISA)
@@ -42,81 +47,111 @@ def c_row_col(i: int, g: int, t: int) -> tuple[int, int]:
 
 
 def kappa_to_k(kappa: int, step: int, t: int) -> int:
-    return 16 * t + 4 * step + 2 * (kappa >= 8) + (kappa & 1)
+    return 16 * t + 8 * (step >> 1) + 2 * (step & 1) + (kappa >= 8) + 4 * (kappa & 1)
 
 
-# ------------------------------------------------------------------------------- decode emulation
-def _u32(words_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 16] (a lane's bytes) -> int64 [..., 4] little-endian 32-bit words."""
-    b = words_u8.long().view(*words_u8.shape[:-1], 4, 4)
+# ------------------------------------------------------------------------------- lane emulation
+def byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """CUDA __byte_perm / PTX prmt (default mode) on int64 tensors of 32-bit values: result byte n is
+    byte (sel >> 4n) & 7 of the 8 bytes {b, a} (a the low four)."""
+    src = (a & MASK32) | ((b & MASK32) << 32)
+    out = torch.zeros_like(a)
+    for n in range(4):
+        out |= ((src >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n)
+    return out
+
+
+def _u32(bytes_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 m] -> int64 [..., m] little-endian 32-bit words."""
+    b = bytes_u8.long().view(*bytes_u8.shape[:-1], -1, 4)
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
-def _halves_to_f32(r: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 32-bit registers -> (low, high) 16-bit halves as fp32 values of bf16 / fp16 bits."""
-    lo, hi = r & 0xFFFF, (r >> 16) & 0xFFFF
-    if fmt == "bf16":
-        to = lambda h: (h << 16).to(torch.int32).view(torch.float32)
-    else:
-        to = lambda h: h.to(torch.int16).view(torch.float16).float()
-    return to(lo), to(hi)
+def lane_offsets(E: int, N: int, n_in: int, g: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's byte offsets (load_chunk) for lane (g, t), as int64 [E, N / 64 CTAs, MT, KC, ...]:
+    code loads [..., 2] (row g, row g + 8; 8 bytes each) in the flat packed [E, N, I/2], and its scale
+    word [...] (4 bytes, row g for t < 2, else g + 8) in the flat scales [E, N, I/16]."""
+    e = torch.arange(E).view(E, 1, 1, 1)
+    cta = torch.arange(N // 64).view(1, -1, 1, 1)
+    tt = torch.arange(MT).view(1, 1, MT, 1)
+    c = torch.arange(n_in // 64).view(1, 1, 1, -1)
+    row_g = e * N + cta * 64 + g  # row_g of the kernel: tile 0 of the CTA
+    w_lane = row_g * (n_in // 2) + 8 * t
+    s_lane = (row_g + 8 * (t >> 1)) * (n_in // 16)
+    w = torch.stack([w_lane + c * 32 + (16 * tt + 8 * h) * (n_in // 2) for h in (0, 1)], dim=-1)
+    s = s_lane + c * 4 + (16 * tt) * (n_in // 16)
+    return w, s
+
+
+def scale_selector(t: int) -> int:
+    """The kernel's `sel`: byte t of the row-g word into byte 0, of the row-(g + 8) word into byte 1."""
+    return (t | (4 + t) << 4) if t < 2 else ((4 + t) | t << 4)
+
+
+def _bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 32-bit registers -> (low, high) 16-bit halves as fp32 values of bf16 bits."""
+    to = lambda h: (h << 16).to(torch.int32).view(torch.float32)
+    return to(r & 0xFFFF), to((r >> 16) & 0xFFFF)
 
 
 def _exact_in(v: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.equal(v.to(dtype).float(), v))
 
 
-def decode_registers(q: torch.Tensor, scale_g: torch.Tensor, scale_g8: torch.Tensor, decode: str):
-    """The kernel's `decode` on int64 words q [...]: -> (lo, hi) fp32 values of A registers 0..3,
-    each exactly the bf16 the kernel multiplies (checked representable). scale_*: fp32 e4m3 values."""
-    out = []
-    if decode == "bf16":
-        M = 0x81C081C0
-        u = q >> 8
-        raws = [((q & 0x000F000F) * 0x1040) & M, ((q & 0x00F000F0) * 0x0104) & M,
-                ((u & 0x000F000F) * 0x1040) & M, ((u & 0x00F000F0) * 0x0104) & M]  # fmt: skip
-        mult = [scale_g * 2.0**119, scale_g8 * 2.0**119]
-        for m in mult:
-            assert _exact_in(m, torch.bfloat16), "s * 2^119 must be a bf16"
-        for n, r in enumerate(raws):
-            for half in _halves_to_f32(r & MASK32, "bf16"):
-                v = half * mult[n & 1]  # fp32: exact (<= 6 significant bits, far from the range ends)
-                assert _exact_in(v, torch.bfloat16), "the bf16 multiply must be exact"
-                out.append(v)
-    else:
-        S, E = 0x80008000, 0x0E000E00
-        raws = [((q << 12) & S) | ((q << 9) & E), ((q << 8) & S) | ((q << 5) & E),
-                ((q << 4) & S) | ((q << 1) & E), (q & S) | ((q >> 3) & E)]  # fmt: skip
-        mult = [scale_g * 2.0**7, scale_g8 * 2.0**7]
-        for m in mult:
-            assert _exact_in(m, torch.float16), "s * 2^7 must be an fp16"
-        for n, r in enumerate(raws):
-            for half in _halves_to_f32(r & MASK32, "f16"):
-                v = half * mult[n & 1]
-                assert _exact_in(v, torch.float16) and _exact_in(v, torch.bfloat16), "must stay exact"
-                out.append(v)
-    return [(out[2 * n], out[2 * n + 1]) for n in range(4)]
+def decode_registers(qg: torch.Tensor, qg8: torch.Tensor, s_g: torch.Tensor, s_g8: torch.Tensor):
+    """The kernel's `decode` on int64 words (rows g, g + 8, already shifted for the step) -> (lo, hi)
+    fp32 values of A registers 0..3, each exactly the bf16 the kernel multiplies (checked
+    representable). s_*: fp32 e4m3 values of the two rows' block scales."""
+    M = 0x81C081C0
+    raws = [((qg & 0x000F000F) * 0x1040) & M, ((qg8 & 0x000F000F) * 0x1040) & M,
+            ((qg & 0x00F000F0) * 0x0104) & M, ((qg8 & 0x00F000F0) * 0x0104) & M]  # fmt: skip
+    mult = [s_g * 2.0**119, s_g8 * 2.0**119]
+    for m in mult:
+        assert _exact_in(m, torch.bfloat16), "s * 2^119 must be a bf16"
+    regs = []
+    for n, r in enumerate(raws):
+        halves = []
+        for half in _bf16_halves(r & MASK32):
+            v = half * mult[n & 1]  # fp32: exact (<= 6 significant bits, far from the range ends)
+            assert _exact_in(v, torch.bfloat16), "the bf16 multiply must be exact"
+            halves.append(v)
+        regs.append(tuple(halves))
+    return regs
 
 
-def emulate_weights(words: torch.Tensor, pairs: torch.Tensor, decode: str) -> torch.Tensor:
-    """Every lane's A registers placed at (row, k) through the PTX A layout and `kappa_to_k`:
-    fp32 [E, N, I] = e2m1 * s (the kernel's decoded value times its 2^7)."""
-    E, NT, KC = words.shape[:3]
-    out = torch.full((E, 16 * NT, 64 * KC), float("nan"))
-    q = _u32(words)  # [E, NT, KC, 32, 4]
-    s = pairs.view(torch.float8_e4m3fn).float()  # [E, NT, KC, 32, 2]
+def emulate_weights(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Every lane's loads from the canonical tensors, its scale shfl / prmt and decode, its A registers
+    placed at (row, k) through the PTX A layout and `kappa_to_k`: fp32 [E, N, I] = e2m1 * s (the
+    kernel's decoded value times its 2^7)."""
+    E, N, H = packed.shape
+    n_in = 2 * H
+    flat_w, flat_s = packed.reshape(-1), scales.view(torch.uint8).reshape(-1)
+    out = torch.full((E, N // 64, MT, n_in // 64, 16, 64), float("nan"))  # [E, CTA, tile, chunk, row, k]
+    words = {}
+    for lane in range(32):  # every lane's scale word first: the shfl reads lane t ^ 2's
+        g, t = lane // 4, lane % 4
+        w_off, s_off = lane_offsets(E, N, n_in, g, t)
+        codes = flat_w[w_off.unsqueeze(-1) + torch.arange(8)]  # [..., 2 rows, 8 bytes]
+        words[lane] = (
+            _u32(codes[..., 0, :]),
+            _u32(codes[..., 1, :]),
+            _u32(flat_s[s_off.unsqueeze(-1) + torch.arange(4)])[..., 0],
+        )
     for lane in range(32):
         g, t = lane // 4, lane % 4
+        qg, qg8, own = words[lane]
+        pair = byte_perm(own, words[lane ^ 2][2], scale_selector(t))
+        s_g, s_g8 = (
+            ((pair >> (8 * r)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float() for r in (0, 1)
+        )
         for step in range(4):
-            regs = decode_registers(q[:, :, :, lane, step], s[:, :, :, lane, 0], s[:, :, :, lane, 1], decode)
+            sh = 8 * (step & 1)
+            regs = decode_registers(qg[..., step >> 1] >> sh, qg8[..., step >> 1] >> sh, s_g, s_g8)
             for n in range(4):
                 for h in range(2):
                     row, kappa = a_row_col(2 * n + h, g, t)
-                    k = kappa_to_k(kappa, step, t)
-                    rows = torch.arange(NT)[:, None] * 16 + row
-                    ks = torch.arange(KC)[None, :] * 64 + k
-                    out[:, rows, ks] = regs[n][h] * 2.0**7
-    return out
+                    out[..., row, kappa_to_k(kappa, step, t)] = regs[n][h] * 2.0**7
+    return out.permute(0, 1, 2, 4, 3, 5).reshape(E, N, n_in)
 
 
 def _special_weights(E: int, N: int, n_in: int, gen: torch.Generator):
@@ -128,30 +163,6 @@ def _special_weights(E: int, N: int, n_in: int, gen: torch.Generator):
 
 
 # ------------------------------------------------------------------------------------------ CPU
-def test_repack_is_a_bijection_and_unpack_inverts_it():
-    gen = torch.Generator().manual_seed(0)
-    for E, N, n_in in ((1, 16, 64), (3, 64, 256), (2, 48, 192)):
-        packed, scales = _special_weights(E, N, n_in, gen)
-        words, pairs = repack_nvfp4_mma(packed, scales)
-        KC = n_in // 64
-        assert words.shape == (E, N // 16, KC, 32, 16) and pairs.shape == (E, N // 16, KC, 32, 2)
-        back_p, back_s = unpack_nvfp4_mma(words, pairs)
-        assert torch.equal(back_p, packed) and torch.equal(back_s.view(torch.uint8), scales.view(torch.uint8))
-        # Same sizes and a lossless round trip of random bytes: a permutation of nibble positions.
-        assert words.numel() == packed.numel() and pairs.numel() == scales.numel()
-
-
-def test_repack_rejects_shapes_the_kernel_cannot_tile():
-    with pytest.raises(ValueError, match="I % 64"):
-        repack_nvfp4_mma(
-            torch.zeros(1, 16, 16, dtype=torch.uint8), torch.zeros(1, 16, 2, dtype=torch.float8_e4m3fn)
-        )
-    with pytest.raises(ValueError, match="scales"):
-        repack_nvfp4_mma(
-            torch.zeros(1, 16, 32, dtype=torch.uint8), torch.zeros(1, 16, 3, dtype=torch.float8_e4m3fn)
-        )
-
-
 def test_kappa_map_covers_each_chunk_once_and_a_lane_holds_one_scale_block():
     for t in range(4):
         ks = {kappa_to_k(kappa, i, t) for i in range(4) for kappa in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)}
@@ -165,29 +176,56 @@ def test_kappa_map_covers_each_chunk_once_and_a_lane_holds_one_scale_block():
         a_cols = {a_row_col(i, g, t)[1] for i in range(8)}
         b_rows = {b_row_col(i, g, t)[0] for i in range(4)}
         assert a_cols == b_rows
+    # The halves of an A register are inputs k and k + 4 (nibbles 16 bits apart in a 32-bit word).
+    for t in range(4):
+        for i in range(4):
+            for kappa in (2 * t, 2 * t + 8):
+                assert kappa_to_k(kappa + 1, i, t) == kappa_to_k(kappa, i, t) + 4
 
 
-@pytest.mark.parametrize("decode", ["bf16", "f16"])
-def test_fragment_emulation_reproduces_dequantize_exactly(decode):
-    """Every code with every kind of scale (subnormal, 0, 448): the lanes' decoded registers, placed
-    by the PTX A layout, are exactly e2m1 * s (nvfp4.dequantize with scale_2 = 1)."""
+def test_lane_loads_cover_every_code_byte_once_in_whole_sectors():
+    """Every byte of packed [E, N, I/2] is loaded by exactly one (lane, CTA, tile, chunk, row half),
+    and the 4 lanes of a group read one aligned 32-byte sector of a row (the scale picks are checked
+    by the dequantize equality below)."""
+    E, N, n_in = 2, 128, 256
+    hits = torch.zeros(E * N * n_in // 2, dtype=torch.long)
+    for g in range(8):
+        group = []
+        for t in range(4):
+            w_off, s_off = lane_offsets(E, N, n_in, g, t)
+            assert bool((w_off % 8 == 0).all()) and bool((s_off % 4 == 0).all())  # vector-load alignment
+            loaded = (w_off.unsqueeze(-1) + torch.arange(8)).reshape(-1)
+            hits.index_add_(0, loaded, torch.ones_like(loaded))
+            group.append(w_off)
+        assert bool((group[0] % 32 == 0).all())
+        for t in range(4):
+            assert torch.equal(group[t], group[0] + 8 * t)  # contiguous: one sector per row and group
+    assert bool((hits == 1).all())
+
+
+def test_fragment_emulation_from_canonical_storage_reproduces_dequantize_exactly():
+    """Every code with every kind of scale (subnormal, 0, 448): the lanes' decoded registers, loaded
+    from the canonical tensors and placed by the PTX A layout, are exactly e2m1 * s (nvfp4.dequantize
+    with scale_2 = 1)."""
     gen = torch.Generator().manual_seed(1)
-    packed, scales = _special_weights(2, 32, 128, gen)
-    words, pairs = repack_nvfp4_mma(packed, scales)
-    got = emulate_weights(words, pairs, decode)
+    packed, scales = _special_weights(2, 64, 128, gen)
+    sbytes = scales.view(torch.uint8)
+    assert {0, 1, 7, 0x7E} <= set(sbytes.unique().tolist())  # zero, subnormals, 448 are all there
+    got = emulate_weights(packed, scales)
     want = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, torch.tensor(1.0)), torch.float32)
     assert torch.equal(got, want)
 
 
 def test_mma_emulation_equals_the_matrix_product():
     """D = sum over steps of A_frag x B_frag built lane by lane (A from the decode, B from the lane's
-    16 contiguous x values of a chunk, C layout for the result) equals W @ x^T."""
+    16 contiguous x values of a chunk paired by the kernel's prmts, C layout for the result) equals
+    W @ x^T."""
     gen = torch.Generator().manual_seed(2)
-    E, N, n_in = 1, 16, 128
+    E, N, n_in = 1, 64, 128
     packed, scales = _special_weights(E, N, n_in, gen)
-    words, pairs = repack_nvfp4_mma(packed, scales)
-    W = emulate_weights(words, pairs, "bf16")[0].double()  # [16, I], validated above
-    x = (torch.randn(8, n_in, generator=gen) * 3).to(torch.bfloat16).double()  # 8 slot rows (MMA N)
+    W = emulate_weights(packed, scales)[0, :16].double()  # tile 0 [16, I], validated above
+    x = (torch.randn(8, n_in, generator=gen) * 3).to(torch.bfloat16)  # 8 slot rows (MMA N)
+    x_bits = x.view(torch.int16).long() & 0xFFFF
     D = torch.zeros(16, 8, dtype=torch.float64)
     for c in range(n_in // 64):
         for step in range(4):
@@ -198,12 +236,14 @@ def test_mma_emulation_equals_the_matrix_product():
                 for i in range(8):
                     r, kappa = a_row_col(i, g, t)
                     A[r, kappa] = W[r, 64 * c + kappa_to_k(kappa, step, t)]
-                # B registers: the lane's x words 2 * step and 2 * step + 1 of x[g, 64c + 16t : +16]
-                seg = x[g, 64 * c + 16 * t : 64 * c + 16 * t + 16]
-                vals = [seg[4 * step], seg[4 * step + 1], seg[4 * step + 2], seg[4 * step + 3]]
+                # The lane's x words: bf16 pairs (2j, 2j + 1) of x[g, 64c + 16t : +16]; B regs by prmt.
+                seg = x_bits[g, 64 * c + 16 * t : 64 * c + 16 * t + 16]
+                xw = seg[0::2] | (seg[1::2] << 16)
+                w = 4 * (step >> 1) + (step & 1)
+                regs = [byte_perm(xw[w], xw[w + 2], 0x5410), byte_perm(xw[w], xw[w + 2], 0x7632)]
                 for i in range(4):
                     kappa, col = b_row_col(i, g, t)
-                    B[kappa, col] = vals[i]
+                    B[kappa, col] = _bf16_halves(regs[i >> 1])[i & 1].double()
             assert not (A.isnan().any() or B.isnan().any()), "a fragment element was never written"
             D += A @ B
     C = torch.zeros(16, 8, dtype=torch.float64)
@@ -212,7 +252,7 @@ def test_mma_emulation_equals_the_matrix_product():
         for i in range(4):
             r, col = c_row_col(i, g, t)
             C[r, col] = D[r, col]
-    torch.testing.assert_close(C, W @ x.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(C, W @ x.double().T, rtol=1e-12, atol=1e-12)
 
 
 def test_split_heuristic_fills_the_gpu_at_t1_and_stays_one_at_decode_batches():
@@ -234,6 +274,12 @@ def test_moe_nvfp4_mma_rejects_cpu_and_bad_shapes_with_the_field_name():
     ids, wt = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     with pytest.raises(ValueError, match="CUDA bf16"):
         moe_nvfp4_mma(x, ids, wt, w, w, w, swiglu_alpha=1.7, swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="w3 packed must be uint8"):
+        _canonical("w3", (w[0][:, :32], w[1], w[2]), (2, 64, 32))
+    with pytest.raises(ValueError, match="w2 scales must be float8_e4m3fn"):
+        _canonical("w2", (w[0], w[1].view(torch.uint8), w[2]), (2, 64, 32))
+    with pytest.raises(ValueError, match="contiguous CUDA"):  # read in place: never copied
+        _canonical("w1", w, (2, 64, 32))
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -293,15 +339,15 @@ def _routing(T, E, K, gen, device):
     return ids.to(device), torch.rand(T, K, generator=gen).to(device)
 
 
-def _check(x, ids, w, bank, label, decode="bf16", with_ref=True):
+def _check(x, ids, w, bank, label, with_ref=True):
     from model.kernels import cuda_moe
     from model.kernels.moe import moe_experts_ref, moe_experts_torch
     from model.kernels.triton_gemv import split_counters
-    from model.kernels.triton_moe_gemv import moe_nvfp4_gemv
+    from model.kernels.triton_moe import moe_nvfp4_triton
 
     cuda_moe.POISON_INTERMEDIATES = True
     try:
-        got = cuda_moe.moe_nvfp4_mma(x, ids, w, *_parts(bank), **_kw(bank), decode=decode,
+        got = cuda_moe.moe_nvfp4_mma(x, ids, w, *_parts(bank), **_kw(bank),
                                      out_TD=torch.full_like(x, float("nan"))).float()  # fmt: skip
     finally:
         cuda_moe.POISON_INTERMEDIATES = False
@@ -311,9 +357,11 @@ def _check(x, ids, w, bank, label, decode="bf16", with_ref=True):
     scale = want.abs().max().item()
     err = (got - want).abs().max().item()
     assert err <= 2**-7 * scale, f"{label}: vs emulation max err {err} > 2^-7 x {scale}"
-    v6 = moe_nvfp4_gemv(x, ids, w, *_parts(bank), **_kw(bank)).float()
-    err = (got - v6).abs().max().item()
-    assert err <= 2**-6 * scale, f"{label}: vs v6 max err {err} > 2^-6 x {scale}"
+    # v2 (the tile kernel) multiplies bf16(e2m1 * s * scale_2) as the reference does: v7 is off both
+    # by that weight rounding (the emulation above is the tight check); 0.03 allows the two offsets.
+    v2 = moe_nvfp4_triton(x, ids, w, *_parts(bank), **_kw(bank), variant="v2").float()
+    err = (got - v2).abs().max().item()
+    assert err <= 0.03 * scale, f"{label}: vs v2 max err {err} > 0.03 x {scale}"
     if with_ref:
         big = x.shape[1] * bank.intermediate_size > 1 << 16
         ref = (moe_experts_torch if big else moe_experts_ref)(x, ids, w, bank).float()
@@ -322,31 +370,35 @@ def _check(x, ids, w, bank, label, decode="bf16", with_ref=True):
     return got
 
 
-@pytest.mark.parametrize("decode", ["bf16", "f16"])
+def _call(bank, x, ids, w, **kw):
+    from model.kernels.cuda_moe import moe_nvfp4_mma
+
+    return moe_nvfp4_mma(x, ids, w, *_parts(bank), **_kw(bank), **kw)
+
+
 @pytest.mark.parametrize("T", [1, 4, 64, 256])
 @pytest.mark.parametrize("shape", ["tiny", "m3.1"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mma_matches_emulation_v6_and_reference(shape, T, decode):
+def test_mma_matches_emulation_v2_and_reference(shape, T):
     E, D, F, K = (8, 128, 64, 2) if shape == "tiny" else (128, 6144, 3072, 4)
     bank = _bank(E, D, F, T, "cuda")
     gen = torch.Generator().manual_seed(T)
     x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
     ids, w = _routing(T, E, K, gen, "cuda")
-    _check(x, ids, w, bank, f"{shape} T={T} {decode}", decode)
+    _check(x, ids, w, bank, f"{shape} T={T}")
 
 
-@pytest.mark.parametrize("decode", ["bf16", "f16"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_every_code_with_subnormal_scales_is_exact_enough(decode):
+def test_every_code_with_subnormal_scales_is_exact_enough():
     """A bf16 multiply that flushed the subnormal e2m1 * 2^-126 (code 0.5) would zero 1/8 of the
     weights: far outside 2^-7 of the max."""
     bank = _bank(8, 128, 128, 3, "cuda", special=True)
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(16, 128, generator=gen) * 2).to(torch.bfloat16).cuda()
     ids, w = _routing(16, 8, 2, gen, "cuda")
-    _check(x, ids, w, bank, f"special {decode}", decode)
+    _check(x, ids, w, bank, "special")
 
 
 @pytest.mark.gpu
@@ -367,6 +419,35 @@ def test_padding_rows_and_multi_block_experts_match():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_place_weight_updates_and_expert_sliced_banks_are_read_directly():
+    """Nothing is cached: a checkpoint reload into the bank's tensors shows at the next call, and a bank
+    whose tensors are views of experts 2.. of a larger one (offset pointers) gives the result of a
+    copy of those experts."""
+    from model.layers.moe import ExpertBank
+
+    E, D, F, K, T = 8, 256, 128, 2, 4
+    bank, other = _bank(E, D, F, 11, "cuda"), _bank(E, D, F, 12, "cuda")
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+    ids, w = _routing(T, E, K, gen, "cuda")
+    before = _call(bank, x, ids, w)
+    for name, t in other.state_dict().items():
+        bank.state_dict()[name].copy_(t)
+    assert torch.equal(_call(bank, x, ids, w), _call(other, x, ids, w)), "a stale copy of the old weights"
+    assert not torch.equal(before, _call(bank, x, ids, w))
+    views, copies = ExpertBank(E - 2, D, F, "nvfp4").cuda(), ExpertBank(E - 2, D, F, "nvfp4").cuda()
+    for p in ("w1", "w3", "w2"):
+        for s in ("weight", "weight_scale", "weight_scale_2"):
+            t = getattr(bank, f"{p}_{s}")[2:]
+            setattr(views, f"{p}_{s}", t)  # buffers re-pointed at views into `bank`
+            getattr(copies, f"{p}_{s}").copy_(t)
+    assert views.w1_weight.data_ptr() != bank.w1_weight.data_ptr()
+    ids2 = ids % (E - 2)
+    assert torch.equal(_call(views, x, ids2, w), _call(copies, x, ids2, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_shared_add_and_determinism():
     from model.kernels.cuda_moe import moe_nvfp4_mma
 
@@ -377,7 +458,7 @@ def test_graph_replay_shared_add_and_determinism():
     x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
     ids, w = _routing(T, E, K, gen, "cuda")
     shared = torch.randn(T, D, generator=gen).to(torch.bfloat16).cuda()
-    first = moe_nvfp4_mma(x, ids, w, *parts, **kw)  # warm-up: compile, repack, counters
+    first = moe_nvfp4_mma(x, ids, w, *parts, **kw)  # warm-up: compile, counters
     assert torch.equal(moe_nvfp4_mma(x, ids, w, *parts, **kw), first), "two runs differ (determinism)"
     with_shared = moe_nvfp4_mma(x, ids, w, *parts, **kw, shared_TD=shared)
     assert torch.equal(with_shared, (first.float() + shared.float()).to(torch.bfloat16))
@@ -395,7 +476,7 @@ def test_graph_replay_shared_add_and_determinism():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_v7_dispatch_takes_the_mma_kernel_for_decode_and_falls_back_above():
+def test_v7_dispatch_takes_the_mma_kernel_for_decode_and_v2_above():
     from model.kernels.cuda_moe import moe_nvfp4_mma
     from model.kernels.triton_moe import moe_nvfp4_triton
 
@@ -405,5 +486,8 @@ def test_v7_dispatch_takes_the_mma_kernel_for_decode_and_falls_back_above():
         x = torch.randn(T, 128, generator=gen).to(torch.bfloat16).cuda()
         ids, w = _routing(T, 4, 2, gen, "cuda")
         got = moe_nvfp4_triton(x, ids, w, *_parts(bank), **_kw(bank), variant="v7")
-        want = (moe_nvfp4_mma if takes_mma else moe_nvfp4_triton)(x, ids, w, *_parts(bank), **_kw(bank))
+        if takes_mma:
+            want = moe_nvfp4_mma(x, ids, w, *_parts(bank), **_kw(bank))
+        else:
+            want = moe_nvfp4_triton(x, ids, w, *_parts(bank), **_kw(bank), variant="v2")
         assert torch.equal(got, want)
