@@ -45,7 +45,9 @@ def k_of(step: int, kappa: int, t: int) -> int:
     """Index dim held at MMA column kappa of k-step `step` (0..7) by lanes of thread-in-group t: lane
     t holds whole scale blocks t (steps 0-3) and t + 4 (steps 4-7); the halves of an A register are
     values e and e + 4 of a 32-bit code word (the decode's nibble distance)."""
-    return 16 * (t + 4 * (step >> 2)) + 8 * ((step >> 1) & 1) + 4 * (kappa & 1) + 2 * (step & 1) + (kappa >= 8)
+    return (
+        16 * (t + 4 * (step >> 2)) + 8 * ((step >> 1) & 1) + 4 * (kappa & 1) + 2 * (step & 1) + (kappa >= 8)
+    )
 
 
 def key_of_row(m: int) -> int:
@@ -72,7 +74,9 @@ def _extension(capability: tuple[int, int]):
     from torch.utils.cpp_extension import load_inline
 
     if capability < (9, 0):
-        raise RuntimeError(f"index_block_scores_cuda needs sm_90+ (cp.async.bulk, mbarrier tx), got {capability}")
+        raise RuntimeError(
+            f"index_block_scores_cuda needs sm_90+ (cp.async.bulk, mbarrier tx), got {capability}"
+        )
     arch = f"{capability[0]}{capability[1]}"
     source = Path(__file__).with_name("cuda_indexer.cu").read_text()
     decl = (
@@ -80,7 +84,8 @@ def _extension(capability: tuple[int, int]):
         "torch::Tensor pos, torch::Tensor scale, torch::Tensor out, int64_t bps, int64_t splits);"
     )
     return load_inline(
-        name=f"cuda_indexer_v7_sm{arch}", cpp_sources=decl, cuda_sources=source, functions=["index_scores_launch"],
+        name=f"cuda_indexer_v7_sm{arch}", cpp_sources=decl, cuda_sources=source,
+        functions=["index_scores_launch"],
         extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
     )  # fmt: skip
 
@@ -98,9 +103,10 @@ def v7_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bo
         return False
     if _device_info(index_q_TNC.device.index or 0)[0] < (9, 0):
         return False
-    T, N, C = index_q_TNC.shape
+    _, N, C = index_q_TNC.shape
     return (
-        C == HEAD_DIM and N <= MAX_HEADS and index_q_TNC.dtype == torch.bfloat16 and pages.dtype == torch.uint8
+        C == HEAD_DIM and N <= MAX_HEADS and index_q_TNC.dtype == torch.bfloat16
+        and pages.dtype == torch.uint8
         and pages.ndim == 3 and pages.shape[1] % CHUNK == 0 and pages.shape[2] == ROW_BYTES
         and pages.stride(2) == 1 and pages.stride(1) == ROW_BYTES and pages.stride(0) % 16 == 0
         and pages.data_ptr() % 16 == 0
@@ -122,7 +128,7 @@ def index_block_scores_cuda(
     """Block scores [T, N, P] fp32 for NVFP4 index pages uint8 [pages, page, 72] (see `v7_applies`);
     scale: the fp32 dequant-side global (0-d). Entries of blocks past a row's own block are left as
     they were (unwritten). Positions must lie inside the rows' allocated pages (as for v6)."""
-    T, N, C = index_q_TNC.shape
+    T, N, _ = index_q_TNC.shape
     if not v7_applies(index_q_TNC, pages, "nvfp4"):
         raise ValueError(
             "index_block_scores_cuda: need CUDA sm_90+, bf16 queries [T, N <= 8, 128] and NVFP4 pages uint8 "
@@ -152,10 +158,14 @@ def index_block_scores_cuda(
 
 
 # ------------------------------------------------------------------------------------------ self-check
-def random_nvfp4_pages(n_pages: int, page: int, device, gen: torch.Generator, special: bool = False) -> torch.Tensor:
+def random_nvfp4_pages(
+    n_pages: int, page: int, device, gen: torch.Generator, special: bool = False
+) -> torch.Tensor:
     """Random packed NVFP4 index rows uint8 [n_pages, page, 72]: every code; scales in [4, 64], or
     (special) every non-NaN e4m3 byte 0x00-0x7E (zero, the subnormals 0x01-0x07, 448 = 0x7E)."""
-    packed = torch.randint(0, 256, (n_pages, page, HEAD_DIM // 2), generator=gen, device=device, dtype=torch.uint8)
+    packed = torch.randint(
+        0, 256, (n_pages, page, HEAD_DIM // 2), generator=gen, device=device, dtype=torch.uint8
+    )
     if special:
         sbytes = torch.randint(0, 0x7F, (n_pages, page, HEAD_DIM // 16), generator=gen, device=device,
                                dtype=torch.uint8)  # fmt: skip
@@ -170,7 +180,7 @@ def block_scores_ref(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, posi
     numerics); -inf where a block is past the row's own block."""
     from model import nvfp4
 
-    T, N, C = index_q_TNC.shape
+    T, N, _ = index_q_TNC.shape
     page, P = pages.shape[1], block_tables_BP.shape[1]
     out = torch.full((T, N, P), float("-inf"), device=index_q_TNC.device)
     for r in range(T):  # SYNC: reference only
@@ -219,6 +229,51 @@ def _case(B: int, ctx: int, page: int, N: int, gen: torch.Generator, ragged: boo
     return q, pages, table.to(dev), seq.to(dev), pos.to(dev)
 
 
+def _time_shape(B: int, ctx: int, gen: torch.Generator, scale: torch.Tensor, kw: dict, reps: int) -> dict:
+    """v7 (scores alone, and with the top-k launch) vs v6 and the FP8 tile kernel at one shape, each
+    a CUDA graph of one call replayed `reps` times (B = 64: keys far beyond the 60 MB L2; B = 1: they
+    fit in it), plus v7's split heuristic at half and twice its waves."""
+    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
+
+    dev = torch.device("cuda")
+    q, pages, table, seq, pos = _case(B, ctx, 128, 4, gen, False, False, dev)
+    fp8 = (torch.randn(pages.shape[0], 128, HEAD_DIM, device=dev) * 4).to(torch.float8_e4m3fn)
+    fp8 = fp8.view(torch.uint8)
+    row = dict(kind="time", B=B, ctx=ctx)
+    v7s = index_block_scores_cuda(q, pages, scale, table, seq, pos)
+    v6s = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
+    cand = (torch.arange(table.shape[1], device=dev) <= (pos // 128)[:, None, None]).expand_as(v7s)
+    row["err_v7_vs_v6"] = ((v7s - v6s).abs()[cand].max() / v6s.abs()[cand].max()).item()
+
+    def select(variant: str, keys: torch.Tensor = pages, dtype: str = "nvfp4"):
+        return lambda: index_select_blocks_triton(
+            q, keys, dtype, scale, table, seq, pos, **kw, variant=variant
+        )
+
+    row["select_equal_v6"] = round((select("v7")() == select("v6")()).float().mean().item(), 4)
+    timed = {
+        "v7_scores": lambda: index_block_scores_cuda(q, pages, scale, table, seq, pos),
+        "v7": select("v7"),
+        "v6": select("v6"),
+        "fp8": select("v6", fp8, "fp8"),
+    }
+    for waves in (WAVES // 2, WAVES * 2):  # the split heuristic's neighbours
+        timed[f"v7_scores_waves{waves}"] = functools.partial(
+            index_block_scores_cuda, q, pages, scale, table, seq, pos, waves=waves
+        )
+    for name, fn in timed.items():
+        row[f"{name}_us"] = _graph_us(fn, reps)
+    nv_bytes, fp8_bytes = B * ctx * ROW_BYTES, B * ctx * HEAD_DIM
+    for name in ("v7_scores", "v7", "v6"):
+        row[f"{name}_tb_s"] = nv_bytes / row[f"{name}_us"] / 1e6
+        row[f"{name}_of_4.17"] = row[f"{name}_tb_s"] / 4.17
+    row["fp8_tb_s"] = fp8_bytes / row["fp8_us"] / 1e6
+    row["v7_vs_fp8"] = row["fp8_us"] / row["v7_us"]
+    row["v6_vs_fp8"] = row["fp8_us"] / row["v6_us"]
+    row["v7_vs_v6"] = row["v6_us"] / row["v7_us"]
+    return row
+
+
 def _selftest(reps: int, quick: bool) -> list[dict]:
     from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
 
@@ -228,11 +283,14 @@ def _selftest(reps: int, quick: bool) -> list[dict]:
     kw = dict(topk=16, local_blocks=1, init_blocks=0)
     rows = []
     # Correctness: ragged lengths (not multiples of a block), -1 padded tables, special scale bytes.
-    for B, ctx, page, N, special in ((1, 1000, 128, 4, False), (4, 5000, 128, 4, True), (64, 3000, 128, 4, False),
-                                     (3, 700, 64, 8, True), (5, 900, 128, 3, False)):  # fmt: skip
+    cases = ((1, 1000, 128, 4, False), (4, 5000, 128, 4, True), (64, 3000, 128, 4, False),
+             (3, 700, 64, 8, True), (5, 900, 128, 3, False))  # fmt: skip
+    for B, ctx, page, N, special in cases:
         q, pages, table, seq, pos = _case(B, ctx, page, N, gen, True, special, dev)
         ref = block_scores_ref(q, pages, scale, table, seq, pos)
-        got = index_block_scores_cuda(q, pages, scale, table, seq, pos, out_TNP=torch.full_like(ref, float("nan")))
+        got = index_block_scores_cuda(
+            q, pages, scale, table, seq, pos, out_TNP=torch.full_like(ref, float("nan"))
+        )
         v6 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
         cand = torch.isfinite(ref)
         norm = ref[cand].abs().max().item()
@@ -248,39 +306,9 @@ def _selftest(reps: int, quick: bool) -> list[dict]:
     # Timings: M3.1-Flash indexer shapes (4 heads, 128 dims, blocks of 128, top-16).
     shapes = [(1, 32768), (64, 32768)] if quick else [(1, 32768), (1, 131072), (64, 32768), (64, 131072)]
     for B, ctx in shapes:
-        q, pages, table, seq, pos = _case(B, ctx, 128, 4, gen, False, False, dev)
-        fp8 = (torch.randn(pages.shape[0], 128, HEAD_DIM, device=dev) * 4).to(torch.float8_e4m3fn).view(torch.uint8)
-        row = dict(kind="time", B=B, ctx=ctx)
-        v7s = index_block_scores_cuda(q, pages, scale, table, seq, pos)
-        v6s = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
-        cand = torch.arange(table.shape[1], device=dev) <= (pos // 128)[:, None, None]
-        row["err_v7_vs_v6"] = ((v7s - v6s).abs()[cand.expand_as(v7s)].max() / v6s.abs()[cand.expand_as(v6s)].max()).item()
-        sel7 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7")
-        sel6 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v6")
-        row["select_equal_v6"] = round((sel7 == sel6).float().mean().item(), 4)
-        timed = {
-            "v7_scores": lambda: index_block_scores_cuda(q, pages, scale, table, seq, pos),
-            "v7": lambda: index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7"),
-            "v6": lambda: index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v6"),
-            "fp8": lambda: index_select_blocks_triton(q, fp8, "fp8", scale, table, seq, pos, **kw, variant="v6"),
-        }
-        for name, fn in timed.items():
-            row[f"{name}_us"] = _graph_us(fn, reps)
-        nv_bytes, fp8_bytes = B * ctx * ROW_BYTES, B * ctx * HEAD_DIM
-        for name in ("v7_scores", "v7", "v6"):
-            row[f"{name}_tb_s"] = nv_bytes / row[f"{name}_us"] / 1e6
-            row[f"{name}_of_4.17"] = row[f"{name}_tb_s"] / 4.17
-        row["fp8_tb_s"] = fp8_bytes / row["fp8_us"] / 1e6
-        row["v7_vs_fp8"] = row["fp8_us"] / row["v7_us"]
-        row["v6_vs_fp8"] = row["fp8_us"] / row["v6_us"]
-        row["v7_vs_v6"] = row["v6_us"] / row["v7_us"]
-        for waves in (2, 8):  # the split heuristic's neighbours
-            row[f"v7_scores_waves{waves}_us"] = _graph_us(
-                lambda w=waves: index_block_scores_cuda(q, pages, scale, table, seq, pos, waves=w), reps
-            )
+        row = _time_shape(B, ctx, gen, scale, kw, reps)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del fp8, pages
     return rows
 
 

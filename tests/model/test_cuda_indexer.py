@@ -75,13 +75,18 @@ def _bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _is_bf16(v: torch.Tensor) -> bool:
-    return bool(torch.equal(v.float().to(torch.bfloat16).double(), v)) and bool(torch.equal(v.float().double(), v))
+    return bool(torch.equal(v.float().to(torch.bfloat16).double(), v)) and bool(
+        torch.equal(v.float().double(), v)
+    )
 
 
 def scale_splats(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's `scale_regs`: scale bytes (row g low, row g + 8 high) -> s * 2^119 per row (fp64,
     checked to be bf16 values: the splat registers hold them exactly)."""
-    s = [((pair >> (8 * n)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**119 for n in (0, 1)]
+    s = [
+        ((pair >> (8 * n)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**119
+        for n in (0, 1)
+    ]
     assert all(_is_bf16(v) for v in s), "s * 2^119 must be a bf16"
     return s[0], s[1]
 
@@ -167,31 +172,33 @@ def emulate_query(q_NC: torch.Tensor) -> torch.Tensor:
 
 def emulate_tile_mma(tile_u8: torch.Tensor, q_NC: torch.Tensor) -> torch.Tensor:
     """Sum over the 8 k-steps of A_step @ B_step, each fragment built lane by lane, read back through
-    the C layout: fp64 [16 keys, 8 heads] dot products (times 2^-7, the decode's factor)."""
+    the C layout: tiles uint8 [..., 16, 72] -> fp64 [..., 16 keys, 8 heads] dot products (times 2^-7,
+    the decode's factor)."""
+    lead = tile_u8.shape[:-2]
     A_lanes = [lane_a_registers(tile_u8, lane // 4, lane % 4) for lane in range(32)]
     B_lanes = [lane_b_registers(q_NC, lane // 4, lane % 4) for lane in range(32)]
-    D = torch.zeros(16, 8, dtype=torch.float64)
+    D = torch.zeros(*lead, 16, 8, dtype=torch.float64)
     for step in range(8):
-        A = torch.full((16, 16), float("nan"), dtype=torch.float64)
+        A = torch.full((*lead, 16, 16), float("nan"), dtype=torch.float64)
         B = torch.full((16, 8), float("nan"), dtype=torch.float64)
         for lane in range(32):
             g, t = lane // 4, lane % 4
             for n in range(4):
                 for h in range(2):
                     r, kappa = a_row_col(2 * n + h, g, t)
-                    A[r, kappa] = A_lanes[lane][step][n][h]
+                    A[..., r, kappa] = A_lanes[lane][step][n][h]
             for j in range(2):
                 for h, v in enumerate(_bf16_halves(torch.tensor(B_lanes[lane][step][j]))):
                     kappa, col = b_row_col(2 * j + h, g, t)
                     B[kappa, col] = v
         assert not (A.isnan().any() or B.isnan().any()), "a fragment element was never written"
         D += A @ B
-    out = torch.full((16, 8), float("nan"), dtype=torch.float64)
+    out = torch.full((*lead, 16, 8), float("nan"), dtype=torch.float64)
     for lane in range(32):
         g, t = lane // 4, lane % 4
         for i in range(4):
             r, col = c_row_col(i, g, t)
-            out[key_of_row(r), col] = D[r, col]
+            out[..., key_of_row(r), col] = D[..., r, col]
     return out
 
 
@@ -209,16 +216,11 @@ def emulate_block_scores(q_TNC, pages, scale, table_BP, seq_T, pos_T, n_sms: int
         for split in range(splits):
             for warp in range(WARPS):
                 for blk in range(split * bps + warp, min(split * bps + bps, n_blocks), WARPS):
-                    best = torch.full((8,), float("-inf"), dtype=torch.float64)
                     chunks = page // CHUNK if blk < n_blocks - 1 else (pos % page) // CHUNK + 1
-                    rows = pages[int(table_BP[int(seq_T[r]), blk])]
-                    for c in range(chunks):
-                        for tt in range(CHUNK // 16):
-                            k0 = c * CHUNK + 16 * tt
-                            dots = emulate_tile_mma(rows[k0 : k0 + 16], q_TNC[r])
-                            is_vis = blk * page + k0 + torch.arange(16) <= pos
-                            dots = dots.masked_fill(~is_vis[:, None], float("-inf"))
-                            best = torch.maximum(best, dots.amax(0))
+                    rows = pages[int(table_BP[int(seq_T[r]), blk]), : chunks * CHUNK]  # the chunks read
+                    dots = emulate_tile_mma(rows.view(-1, 16, ROW_BYTES), q_TNC[r]).view(-1, 8)
+                    is_vis = blk * page + torch.arange(chunks * CHUNK) <= pos
+                    best = dots.masked_fill(~is_vis[:, None], float("-inf")).amax(0)
                     out[r, :, blk] = (best[:N].float() * g_scale).float()
     return out
 
@@ -256,7 +258,9 @@ def test_shared_loads_of_a_half_warp_hit_distinct_bank_pairs():
                 pairs = {((key_of_row(g) + row_off) * ROW_BYTES + 8 * (t + 4 * bb)) // 8 % 16
                          for g in range(4 * half, 4 * half + 4) for t in range(4)}  # fmt: skip
                 assert len(pairs) == 16
-            scale_pairs = {((key_of_row(g) + row_off) * ROW_BYTES + 64) // 8 % 16 for g in range(4 * half, 4 * half + 4)}
+            scale_pairs = {
+                ((key_of_row(g) + row_off) * ROW_BYTES + 64) // 8 % 16 for g in range(4 * half, 4 * half + 4)
+            }
             assert len(scale_pairs) == 4
 
 
@@ -282,7 +286,9 @@ def test_lane_query_fragments_reproduce_the_query(N):
     gen = torch.Generator().manual_seed(N)
     q = torch.randn(N, HEAD_DIM, generator=gen).to(torch.bfloat16)
     got = emulate_query(q)
-    assert torch.equal(got[:, :N], q.double().T) and torch.equal(got[:, N:], torch.zeros(HEAD_DIM, 8 - N).double())
+    assert torch.equal(got[:, :N], q.double().T) and torch.equal(
+        got[:, N:], torch.zeros(HEAD_DIM, 8 - N).double()
+    )
 
 
 def test_emulated_mma_gives_the_keys_dot_products():
@@ -317,7 +323,7 @@ def test_emulated_kernel_loop_equals_the_reference_scores_and_selections():
     for page, lens, N in ((128, [200, 129, 64], 4), (64, [130, 1], 3)):
         B = len(lens)
         q_B, pages, table = _ragged_case(gen, B, lens, page, N)
-        seq = torch.tensor(list(range(B)) + [0, 0], dtype=torch.int32)
+        seq = torch.tensor([*range(B), 0, 0], dtype=torch.int32)
         pos = torch.tensor([n - 1 for n in lens] + [lens[0] - 2, 5], dtype=torch.long)
         q = torch.cat([q_B, (torch.randn(2, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)])
         scale = torch.tensor(0.01)
@@ -325,11 +331,15 @@ def test_emulated_kernel_loop_equals_the_reference_scores_and_selections():
         got = emulate_block_scores(q, pages, scale, table, seq, pos)
         cand = torch.isfinite(want)
         assert torch.isnan(got[~cand]).all(), "blocks past a row's own block must stay unwritten"
-        torch.testing.assert_close(got[cand], want[cand], rtol=1e-5, atol=1e-5 * want[cand].abs().max().item())
+        torch.testing.assert_close(
+            got[cand], want[cand], rtol=1e-5, atol=1e-5 * want[cand].abs().max().item()
+        )
         kw = dict(topk=2, local_blocks=1, init_blocks=0)
         sel = select_blocks(got.nan_to_num(float("-inf")), (pos // page)[:, None], **kw)
         lens_B = torch.tensor(lens)
-        ref = index_select_blocks_ref(q, PagedIndex(pages, "nvfp4", scale, HEAD_DIM), table, seq, pos, lens_B, **kw)
+        ref = index_select_blocks_ref(
+            q, PagedIndex(pages, "nvfp4", scale, HEAD_DIM), table, seq, pos, lens_B, **kw
+        )
         assert torch.equal(sel, ref)
 
 
@@ -347,7 +357,11 @@ def test_v7_does_not_apply_on_cpu_and_the_cuda_entry_rejects_it():
     q = torch.zeros(1, 4, HEAD_DIM, dtype=torch.bfloat16)
     pages = torch.zeros(2, 128, ROW_BYTES, dtype=torch.uint8)
     assert not v7_applies(q, pages, "nvfp4")
-    table, seq, pos = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1).long()
+    table, seq, pos = (
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1).long(),
+    )
     with pytest.raises(ValueError, match="sm_90"):
         index_block_scores_cuda(q, pages, torch.tensor(1.0), table, seq, pos)
 
@@ -393,7 +407,9 @@ def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
     scale = torch.tensor(0.01, device="cuda")
     assert v7_applies(q, pages, "nvfp4")
     want = block_scores_ref(q, pages, scale, table, seq, pos)
-    got = index_block_scores_cuda(q, pages, scale, table, seq, pos, out_TNP=torch.full_like(want, float("nan")))
+    got = index_block_scores_cuda(
+        q, pages, scale, table, seq, pos, out_TNP=torch.full_like(want, float("nan"))
+    )
     cand = torch.isfinite(want)
     assert torch.isnan(got[~cand]).all(), "blocks past a row's own block must stay unwritten"
     norm = want[cand].abs().max().item()
@@ -406,7 +422,7 @@ def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
     sel7 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7")
     ref = select_blocks(want, (pos // page)[:, None], **kw)
     agree = (sel7.sort(-1).values == ref.sort(-1).values).float().mean().item()
-    assert agree >= 0.999, f"selections agree with the reference's on {agree:.4f} only"  # exact near-ties aside
+    assert agree >= 0.999, f"selections agree with the reference's on {agree:.4f} only"  # near-ties aside
     if B <= 4 and ctx <= 1000:  # the spec itself (a Python loop over sequences)
         index = PagedIndex(pages, "nvfp4", scale, HEAD_DIM)
         spec = index_select_blocks_ref(q, index, table, seq, pos, lens, **kw)
@@ -417,7 +433,7 @@ def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_v7_verify_rows_of_one_sequence_and_int64_tables():
     """Several query rows of one sequence (a verify / prefill chunk), int64 tables and seq ids."""
-    q, pages, table, _, pos, _ = _gpu_case(1, 5000, 128, 4, seed=11, ragged=False)
+    q, pages, table, *_ = _gpu_case(1, 5000, 128, 4, seed=11, ragged=False)
     T = 37
     rows_pos = torch.linspace(0, 4999, T).long().cuda()
     q = (torch.randn(T, 4, HEAD_DIM) * 2).to(torch.bfloat16).cuda()
