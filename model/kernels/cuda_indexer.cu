@@ -197,16 +197,18 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   }
   __syncwarp();
-  // Chunk c of this warp: block blk0 + WARPS * (c / cpb), rows CHUNK * (c % cpb) ...
-  auto issue = [&](int c) {
-    const int blk = blk0 + WARPS * (c / cpb);
-    const long long page_id = load_index(bt_row, blk, p.bt64);
-    const uint8_t* src = p.pages + page_id * p.stride_pp + (c % cpb) * STAGE_BYTES;
-    const int s = c % STAGES;
-    tma_chunk(ring + s * STAGE_BYTES, src, bar0 + 8 * s, policy);
+  // Lane 0's producer: the warp's chunks in order (block blk0 + WARPS j, rows CHUNK sub ...), chunk c
+  // into stage c % STAGES.
+  int next_blk = blk0, next_sub = 0, next_stage = 0;
+  auto issue = [&]() {
+    const long long page_id = load_index(bt_row, next_blk, p.bt64);
+    const uint8_t* src = p.pages + page_id * p.stride_pp + next_sub * STAGE_BYTES;
+    tma_chunk(ring + next_stage * STAGE_BYTES, src, bar0 + 8 * next_stage, policy);
+    if (++next_sub == cpb) next_sub = 0, next_blk += WARPS;
+    if (++next_stage == STAGES) next_stage = 0;
   };
   if (lane == 0) {
-    for (int c = 0; c < min(STAGES, n_chunks); ++c) issue(c);
+    for (int c = 0; c < min(STAGES, n_chunks); ++c) issue();
   }
 
   // B fragments (the query), once: step i, reg j = q[g, base + j], q[g, base + j + 4] for the lane's
@@ -237,9 +239,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
   const uint32_t sel = t | ((t + 4) << 4);   // scale byte t of rows g (low) and g + 8 (high)
 
   float mx0 = neg_inf(), mx1 = neg_inf();  // heads 2t, 2t + 1
+  int blk = blk0, sub = 0, s = 0;          // chunk c's block, chunk within it, stage
+  uint32_t parity = 0;                     // of stage s's mbarrier phase: (c / STAGES) & 1
   for (int c = 0; c < n_chunks; ++c) {
-    const int s = c % STAGES;
-    mbar_wait(bar0 + 8 * s, (c / STAGES) & 1);
+    mbar_wait(bar0 + 8 * s, parity);
     const uint32_t stage = ring + s * STAGE_BYTES + row_off;
     float acc[TILES][4];
 #pragma unroll
@@ -248,7 +251,6 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
       for (int k = 0; k < 4; ++k) acc[tt][k] = 0.f;
       tile_scores(stage + tt * 16 * ROW_BYTES, off_t, sel, bq, acc[tt]);
     }
-    const int blk = blk0 + WARPS * (c / cpb), sub = c % cpb;
     const long long key0 = static_cast<long long>(blk) * p.page + sub * CHUNK;
     if (key0 + CHUNK - 1 <= pos) {
 #pragma unroll
@@ -282,8 +284,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
     __syncwarp();
     if (lane == 0 && c + STAGES < n_chunks) {
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(c + STAGES);
+      issue();
     }
+    if (++sub == cpb) sub = 0, blk += WARPS;
+    if (++s == STAGES) s = 0, parity ^= 1u;
   }
 }
 

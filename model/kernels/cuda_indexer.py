@@ -142,6 +142,15 @@ def index_block_scores_cuda(
     P = block_tables_BP.shape[1]
     if out_TNP is None:
         out_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
+    elif out_TNP.dtype != torch.float32 or tuple(out_TNP.shape) != (T, N, P) or out_TNP.stride(-1) != 1:
+        raise ValueError(
+            f"index_block_scores_cuda: out_TNP must be fp32 {(T, N, P)} with unit last stride, got "
+            f"{out_TNP.dtype} {tuple(out_TNP.shape)} strides {out_TNP.stride()}"
+        )
+    for name, x in (("scale", scale), ("block_tables_BP", block_tables_BP), ("seq_idx_T", seq_idx_T),
+                    ("positions_T", positions_T), ("out_TNP", out_TNP)):  # fmt: skip
+        if x.device != index_q_TNC.device:
+            raise ValueError(f"index_block_scores_cuda: {name} on {x.device}, q on {index_q_TNC.device}")
     if T == 0 or P == 0:
         return out_TNP
     block_tables_BP = _index_tensor(block_tables_BP, "block_tables_BP")
