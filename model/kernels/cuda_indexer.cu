@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
   const int r = blockIdx.x;
   const long long seq = load_index(p.seq, r, p.seq64);
   const long long pos = load_index(p.pos, r, p.pos64);
+  if (pos < 0) return;  // no candidate blocks
   const int n_blocks = static_cast<int>(pos / p.page) + 1;  // candidates: blocks 0 .. pos / page
   const int blk0 = blockIdx.y * p.bps + warp;               // this warp's first block, then + WARPS
   const int blk_end = min(blockIdx.y * p.bps + p.bps, n_blocks);

@@ -335,8 +335,10 @@ def main() -> None:
             print(f"{r['B']:3d} {r['ctx']:7d} {r['v7_us']:8.1f} {r['v6_us']:8.1f} {r['fp8_us']:8.1f} "
                   f"{r['v7_scores_tb_s']:8.3f} {r['v7_scores_of_4.17']:8.1%} {r['v7_vs_fp8']:7.2f} "
                   f"{r['v6_vs_fp8']:7.2f} {r['v7_vs_v6']:6.2f} {r['select_equal_v6']:7.4f}")  # fmt: skip
-    bad = [r for r in rows if r["kind"] == "check" and (r["err_vs_ref"] > 1e-5 or not r["untouched_kept"])]
-    print("CHECKS", "FAILED: " + json.dumps(bad) if bad else "passed (scores within 1e-5 of the reference)")
+    bad = [r for r in rows if r["kind"] == "check" and (r["err_vs_ref"] > 1e-4 or not r["untouched_kept"])]
+    print("CHECKS", f"FAILED: {json.dumps(bad)}" if bad else "passed (within 1e-4 of the reference's max)")
+    if bad:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

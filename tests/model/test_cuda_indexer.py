@@ -374,6 +374,11 @@ def test_v7_variant_falls_back_to_v6_off_cuda():
 
 
 # ------------------------------------------------------------------------------------------ GPU
+# Scores: exact products, fp32 sums in another order (tensor-core accumulation): a mapping or decode
+# error is O(1) of the largest score, summation order ~1e-6 of it.
+TOL = 1e-4
+
+
 def _gpu_case(B, ctx, page, N, seed, ragged=True, special=True):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, ctx + 1, (B,), generator=gen).tolist() if ragged else [ctx] * B
@@ -414,10 +419,10 @@ def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
     assert torch.isnan(got[~cand]).all(), "blocks past a row's own block must stay unwritten"
     norm = want[cand].abs().max().item()
     err = (got[cand] - want[cand]).abs().max().item()
-    assert err <= 1e-5 * norm, f"vs reference: max err {err} > 1e-5 x {norm}"
+    assert err <= TOL * norm, f"vs reference: max err {err} > {TOL} x {norm}"
     v6 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
     err = (got[cand] - v6[cand]).abs().max().item()
-    assert err <= 1e-5 * norm, f"vs v6: max err {err} > 1e-5 x {norm}"
+    assert err <= TOL * norm, f"vs v6: max err {err} > {TOL} x {norm}"
     kw = dict(topk=16, local_blocks=1, init_blocks=0)
     sel7 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7")
     ref = select_blocks(want, (pos // page)[:, None], **kw)
@@ -442,7 +447,7 @@ def test_v7_verify_rows_of_one_sequence_and_int64_tables():
     want = block_scores_ref(q, pages, scale, table, seq, rows_pos)
     got = index_block_scores_cuda(q, pages, scale, table.long(), seq, rows_pos)
     cand = torch.isfinite(want)
-    torch.testing.assert_close(got[cand], want[cand], rtol=1e-5, atol=1e-5 * want[cand].abs().max().item())
+    torch.testing.assert_close(got[cand], want[cand], rtol=TOL, atol=TOL * want[cand].abs().max().item())
 
 
 @pytest.mark.gpu
