@@ -52,9 +52,11 @@ from model.layers.moe import ExpertBank
 #
 # `--variants`: the versions timed side by side, each op taking those it has (OP_VARIANTS; without the
 # flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v6 (NVFP4 keys on
-# the MMA's M side, the default), v2 (byte-wise); later versions record whether their selections
-# equal the baseline's. Attention: v6 (K / V decoded in registers into the dot operands, the default;
-# autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the default), v2 (tile kernel).
+# the MMA's M side, the default), v2 (byte-wise), v7 (opt-in: the CUDA kernel of
+# model/kernels/cuda_indexer.py for NVFP4; FP8 keys take v6's path); later versions record whether
+# their selections equal the baseline's. Attention: v6 (K / V decoded in registers into the dot
+# operands, the default; autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the
+# default), v2 (tile kernel).
 # NVFP4 and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio
 # table prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by
 # the v2 tile kernel and by v7 (`model.kernels.cuda_moe`, CUDA mma.sync, the default at decode sizes)
@@ -63,7 +65,7 @@ from model.layers.moe import ExpertBank
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
-    "indexer": ("v2", "v6"),
+    "indexer": ("v2", "v6", "v7"),
     "attention": ("v2", "v6"),
     "gemv": ("v2", "v3"),
     "moe": ("v2", "v7"),
@@ -214,6 +216,8 @@ def run_indexer(
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
             tuner = _index_scores_v6_tuned if variant == "v6" and dtype == "nvfp4" else _index_scores_tuned
             extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
+            if variant == "v7" and dtype == "nvfp4":
+                extra["config"] = "cuda v7"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
     ratio_rows("indexer", shape, times, variants, target=1.7)
 
@@ -466,7 +470,7 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"],
-                    help="versions to time side by side, each op taking those it has (indexer v2 v6, "
+                    help="versions to time side by side, each op taking those it has (indexer v2 v6 v7, "
                          "attention v2 v6, gemv v2 v3, moe v2 v7; the first named is the baseline of the "
                          "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v7")  # fmt: skip
     args = ap.parse_args()

@@ -15,7 +15,8 @@ v7`) at M3.1-Flash widths for --batch tokens (random top-k ids, every token K di
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv moe] [--batch 64] [--context 131072]
        [--variants v2 v6 v7]   (each op profiles the named versions it has, else its default: indexer
-       v6, attention v6, moe v7; attention v2 vs v6: --only attention --variants v2 v6)
+       v6, attention v6, moe v7; attention v2 vs v6: --only attention --variants v2 v6; indexer v6 vs the
+       CUDA v7 of model/kernels/cuda_indexer.py: --only indexer --variants v6 v7)
 """
 
 import argparse

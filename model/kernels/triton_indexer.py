@@ -37,9 +37,10 @@ PROGRAMS_PER_SM = 4
 # v6 holds 121 registers a thread (4 programs of 4 warps an SM): 16 programs per SM, >= 2 blocks each,
 # measured 336.7 vs 398.0 us at B = 64, 128K and level at B = 1 (benchmarks/RESULTS.md, session 9).
 V6_PROGRAMS_PER_SM = 16
-DecodeVariant = Literal["v6", "v2"]
+DecodeVariant = Literal["v6", "v2", "v7"]
 """v6: NVFP4 keys on the MMA's M side, decoded in registers (the default); v2: the byte-wise decode
-(every shape; tests and benchmarks compare with it)."""
+(every shape; tests and benchmarks compare with it); v7 (opt-in): the CUDA kernel of
+`model.kernels.cuda_indexer` (TMA-streamed chunks, mma.sync) where it applies, else v6."""
 V6_HEAD_DIM = 128  # v6 reads packed 72-byte rows (8-byte aligned) of 128 values
 
 
@@ -289,7 +290,8 @@ def index_block_scores_triton(
     """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
     `variant`: "v6" runs the keys-on-M kernel for NVFP4 keys of head dim 128 in packed rows with bf16
     queries (anything else: the tile kernel, autotuned at decode size); "v2" the tile kernel untuned
-    (NVFP4 keys byte-wise, as every NVFP4 shape that is not v6's)."""
+    (NVFP4 keys byte-wise, as every NVFP4 shape that is not v6's); "v7" the CUDA kernel where
+    `cuda_indexer.v7_applies`, else as "v6"."""
     if variant not in DecodeVariant.__args__:
         raise ValueError(f"indexer: variant must be one of {DecodeVariant.__args__}, got {variant!r}")
     T, N, C = index_q_TNC.shape
@@ -298,6 +300,14 @@ def index_block_scores_triton(
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
+    if variant == "v7":
+        from model.kernels.cuda_indexer import index_block_scores_cuda, v7_applies
+
+        if v7_applies(index_q_TNC, pages, dtype):
+            return index_block_scores_cuda(
+                index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, out_TNP=scores_TNP
+            )
+        variant = "v6"
     if variant == "v6" and v6_applies(index_q_TNC, pages, dtype):
         _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP)
         return scores_TNP
