@@ -34,12 +34,16 @@
 // 8 lanes g holding the same head pair), and multiplies by scale_2 * 2^7 (> 0: after the max, as v6).
 //
 // Standalone compile check (no torch, no GPU): nvcc -DCUDA_INDEXER_STANDALONE -std=c++17 -O3 -arch=sm_90a
-// -cubin -Xptxas -v -x cu model/kernels/cuda_indexer.cu -o /tmp/idx.cubin: 94 registers, 0 spills (nvcc
+// -cubin -Xptxas -v -I model/kernels -x cu model/kernels/cuda_indexer.cu -o /tmp/idx.cubin: 94 registers, 0 spills (nvcc
 // 13.0); per lane and 16-key tile ~175 PTX instructions for its 64 key values (136 of them the decode).
 
 #include <stdint.h>
 
+#include "cuda_nvfp4.cuh"
+
 namespace cuda_indexer {
+
+using namespace nvfp4_mma;
 
 constexpr int C = 128;                       // index head dim (the only one served)
 constexpr int ROW_BYTES = C / 2 + C / 16;    // 72: 64 code bytes, 8 scale bytes
@@ -107,42 +111,9 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
-  uint32_t d;  // bf16x2 a * b (+ -0: exact products keep their sign)
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Scale bytes of rows g (low byte) and g + 8 (high byte) of one block -> bf16x2 splats {s * 2^119}
-// for row g and row g + 8 (exact: e4m3 -> f16 is exact, s has <= 4 significant bits, s * 2^119 <=
-// 1.75 * 2^127; zero and subnormal scales included).
-__device__ __forceinline__ void scale_regs(uint32_t pair, uint32_t& s_g, uint32_t& s_g8) {
-  uint32_t h2;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h2) : "r"(pair));
-  float lo, hi;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
-  s_g = pack_bf16x2(lo * 0x1p119f, lo * 0x1p119f);
-  s_g8 = pack_bf16x2(hi * 0x1p119f, hi * 0x1p119f);
-}
-
 // One 16-key tile: `row` = shared address of this lane's row g (row g + 8 is 2 rows further).
 __device__ __forceinline__ void tile_scores(uint32_t row, uint32_t off_t, uint32_t sel, const uint32_t (&bq)[8][2],
                                             float (&acc)[4]) {
-  const uint32_t M = 0x81C081C0u;  // bf16 sign, exponent bits 7-8, mantissa msb (both halves)
   const uint2 cg0 = lds64(row + off_t), cg1 = lds64(row + off_t + 32), sg = lds64(row + 64);
   const uint32_t row8 = row + 2 * ROW_BYTES;
   const uint2 ch0 = lds64(row8 + off_t), ch1 = lds64(row8 + off_t + 32), sh = lds64(row8 + 64);
@@ -152,18 +123,15 @@ __device__ __forceinline__ void tile_scores(uint32_t row, uint32_t off_t, uint32
 #pragma unroll
   for (int bb = 0; bb < 2; ++bb) {  // block t, then block t + 4
     uint32_t s_g, s_g8;
-    scale_regs(pairs[bb], s_g, s_g8);
+    scale_splats(pairs[bb], s_g, s_g8);
 #pragma unroll
     for (int w = 0; w < 2; ++w) {  // code word: values 0-7, 8-15 of the block
 #pragma unroll
       for (int p = 0; p < 2; ++p) {  // nibbles 0-1 / 2-3 of each half
         const uint32_t qg = p ? xg[bb][w] >> 8 : xg[bb][w];
         const uint32_t qh = p ? xh[bb][w] >> 8 : xh[bb][w];
-        uint32_t a[4];
-        a[0] = bmul2(((qg & 0x000F000Fu) * 0x1040u) & M, s_g);   // row g: values 2p, 2p + 4 of the word
-        a[1] = bmul2(((qh & 0x000F000Fu) * 0x1040u) & M, s_g8);  // row g + 8
-        a[2] = bmul2(((qg & 0x00F000F0u) * 0x0104u) & M, s_g);   // row g: values 2p + 1, 2p + 5
-        a[3] = bmul2(((qh & 0x00F000F0u) * 0x0104u) & M, s_g8);
+        uint32_t a[4];  // rows g, g + 8: values 2p, 2p + 4 and 2p + 1, 2p + 5 of the word
+        decode_a(qg, qh, s_g, s_g8, a);
         const int i = 4 * bb + 2 * w + p;
         mma_bf16(acc, a, bq[i][0], bq[i][1]);
       }

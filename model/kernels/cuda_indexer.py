@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from pathlib import Path
 
 import torch
+
+from model.kernels.cuda_common import graph_us, load_kernels
 
 # Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width, K top-k.
 # Mirrors of the kernel's constants (cuda_indexer.cu).
@@ -70,24 +71,16 @@ def plan_splits(n_rows: int, n_blocks: int, n_sms: int, waves: int = WAVES) -> t
 
 @functools.cache
 def _extension(capability: tuple[int, int]):
-    """The compiled kernel (torch cpp_extension, cached under ~/.cache/torch_extensions)."""
-    from torch.utils.cpp_extension import load_inline
-
+    """The compiled kernel (`cuda_common.load_kernels`)."""
     if capability < (9, 0):
         raise RuntimeError(
             f"index_block_scores_cuda needs sm_90+ (cp.async.bulk, mbarrier tx), got {capability}"
         )
-    arch = f"{capability[0]}{capability[1]}"
-    source = Path(__file__).with_name("cuda_indexer.cu").read_text()
     decl = (
         "void index_scores_launch(torch::Tensor q, torch::Tensor pages, torch::Tensor bt, torch::Tensor seq, "
         "torch::Tensor pos, torch::Tensor scale, torch::Tensor out, int64_t bps, int64_t splits);"
     )
-    return load_inline(
-        name=f"cuda_indexer_v7_sm{arch}", cpp_sources=decl, cuda_sources=source,
-        functions=["index_scores_launch"],
-        extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
-    )  # fmt: skip
+    return load_kernels("cuda_indexer", decl, ("index_scores_launch",), capability)
 
 
 @functools.cache
@@ -203,38 +196,31 @@ def block_scores_ref(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, posi
     return out
 
 
-def _graph_us(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
-def _case(B: int, ctx: int, page: int, N: int, gen: torch.Generator, ragged: bool, special: bool, dev):
-    """Inputs of B sequences of up to ctx tokens (ragged: random lengths), block tables padded with -1."""
-    P = -(-ctx // page) + 1  # one spare column of -1
-    lens = torch.randint(1, ctx + 1, (B,), generator=gen) if ragged else torch.full((B,), ctx)
+def ragged_tables(lens: list[int], page: int, gen: torch.Generator, spare_cols: int = 1,
+                  spare_pages: int = 1) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """Block tables int32 [B, max pages + spare_cols] over shuffled page ids, -1 padded, for sequences
+    of `lens` tokens, and the page count (`spare_pages` unused pages besides): the tests' and the
+    self-check's paged layouts."""
     n_used = [-(-int(n) // page) for n in lens]
-    n_pages = sum(n_used) + 1
+    n_pages = sum(n_used) + spare_pages
     perm = torch.randperm(n_pages, generator=gen)
-    table = torch.full((B, P), -1, dtype=torch.int32)
+    table = torch.full((len(lens), max(n_used) + spare_cols), -1, dtype=torch.int32)
     at = 0
     for b, n in enumerate(n_used):
         table[b, :n] = perm[at : at + n].int()
         at += n
+    return table, n_pages
+
+
+def _case(B: int, ctx: int, page: int, N: int, gen: torch.Generator, ragged: bool, special: bool, dev):
+    """Inputs of B sequences of up to ctx tokens (ragged: random lengths), block tables padded with -1."""
+    lens = torch.randint(1, ctx + 1, (B,), generator=gen).tolist() if ragged else [ctx] * B
+    lens[0] = ctx  # the longest row reaches the table's width
+    table, n_pages = ragged_tables(lens, page, gen)
     pages = random_nvfp4_pages(n_pages, page, dev, torch.Generator(device=dev).manual_seed(B + ctx), special)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16).to(dev)
     seq = torch.arange(B, dtype=torch.int32)
-    pos = (lens - 1).long()
+    pos = torch.tensor(lens).long() - 1
     return q, pages, table.to(dev), seq.to(dev), pos.to(dev)
 
 
@@ -271,7 +257,7 @@ def _time_shape(B: int, ctx: int, gen: torch.Generator, scale: torch.Tensor, kw:
             index_block_scores_cuda, q, pages, scale, table, seq, pos, waves=waves
         )
     for name, fn in timed.items():
-        row[f"{name}_us"] = _graph_us(fn, reps)
+        row[f"{name}_us"] = graph_us(fn, reps)
     nv_bytes, fp8_bytes = B * ctx * ROW_BYTES, B * ctx * HEAD_DIM
     for name in ("v7_scores", "v7", "v6"):
         row[f"{name}_tb_s"] = nv_bytes / row[f"{name}_us"] / 1e6

@@ -49,7 +49,11 @@
 
 #include <stdint.h>
 
+#include "cuda_nvfp4.cuh"
+
 namespace cuda_moe {
+
+using namespace nvfp4_mma;
 
 constexpr int MT = 4;     // 16-row tiles per CTA (64 output features)
 constexpr int WARPS = 4;  // K-interleaved warps per CTA; == MT: warp w finishes tile w
@@ -95,29 +99,6 @@ __device__ __forceinline__ uint4 ld_v4(const uint16_t* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
-  uint32_t d;  // bf16x2 a * b (+ -0: exact products keep their sign)
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-__device__ __forceinline__ void f16x2_to_f32(uint32_t h2, float& lo, float& hi) {
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
-}
-
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
-  uint32_t d;  // exact: every e4m3 value (subnormals included) is an fp16 normal
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(d) : "r"(pair));
-  return d;
-}
-
 __device__ __forceinline__ float bf16_round(float v) {
   uint16_t h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -130,32 +111,12 @@ __device__ __forceinline__ uint16_t bf16_bits(float v) {
   return h;
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // A tile's scale word (this lane's row, see the header) -> the per-register multipliers bf16x2
 // {s * 2^119, s * 2^119} of row g and of row g + 8. sel: this lane's prmt selector, picking byte t of
 // the row-g word into byte 0 and byte t of the row-(g + 8) word into byte 1.
 __device__ __forceinline__ void scale_regs(uint32_t word, uint32_t sel, uint32_t& s_g, uint32_t& s_g8) {
   const uint32_t other = __shfl_xor_sync(0xffffffffu, word, 2);  // lane t ^ 2: the other row's word
-  float lo, hi;
-  f16x2_to_f32(e4m3x2_to_f16x2(__byte_perm(word, other, sel)), lo, hi);
-  s_g = pack_bf16x2(lo * 0x1p119f, lo * 0x1p119f);
-  s_g8 = pack_bf16x2(hi * 0x1p119f, hi * 0x1p119f);
-}
-
-// One MMA step: words qg / qg8 of rows g / g + 8 with the step's codes in nibbles 0, 1, 4, 5 -> the
-// 4 A registers, e2m1 * s * 2^-7 as bf16 (exact).
-__device__ __forceinline__ void decode(uint32_t qg, uint32_t qg8, uint32_t s_g, uint32_t s_g8, uint32_t (&a)[4]) {
-  const uint32_t M = 0x81C081C0u;  // bf16 sign, exponent bits 7-8, mantissa msb (both halves)
-  a[0] = bmul2(((qg & 0x000F000Fu) * 0x1040u) & M, s_g);    // nibbles 0, 4: x 2^12 (sign), 2^6 (magnitude)
-  a[1] = bmul2(((qg8 & 0x000F000Fu) * 0x1040u) & M, s_g8);
-  a[2] = bmul2(((qg & 0x00F000F0u) * 0x0104u) & M, s_g);    // nibbles 1, 5: x 2^8, 2^2
-  a[3] = bmul2(((qg8 & 0x00F000F0u) * 0x0104u) & M, s_g8);
+  scale_splats(__byte_perm(word, other, sel), s_g, s_g8);
 }
 
 template <int NMAT>
@@ -210,7 +171,7 @@ __device__ __forceinline__ void compute_chunk(const Chunk<NMAT>& ch, uint32_t se
       for (int i = 0; i < 4; ++i) {
         const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
         uint32_t a[4];
-        decode(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
+        decode_a(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
         mma_bf16(acc[m][tt], a, xb[2 * i], xb[2 * i + 1]);
       }
     }

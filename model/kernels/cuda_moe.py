@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
-from pathlib import Path
 
 import torch
+
+from model.kernels.cuda_common import eager_us, graph_us, load_kernels
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks of
 # RB = 8 slot rows, N / I a projection's output / input features. Weights as the bank stores them:
@@ -45,23 +45,16 @@ POISON_INTERMEDIATES = False  # tests set True: act and y start as NaN, so a mis
 # ------------------------------------------------------------------------------------------ launch
 @functools.cache
 def _extension(capability: tuple[int, int]):
-    """The compiled kernels (torch cpp_extension, cached under ~/.cache/torch_extensions)."""
-    from torch.utils.cpp_extension import load_inline
-
+    """The compiled kernels (`cuda_common.load_kernels`)."""
     if capability < (8, 9):
         raise RuntimeError(f"moe_nvfp4_mma needs sm_89+ (cvt e4m3x2 -> f16x2), got {capability}")
-    arch = f"{capability[0]}{capability[1]}"
-    source = Path(__file__).with_name("cuda_moe.cu").read_text()
     tensors = ["x", "rows", "block_expert", "router_w", "wa", "sa", "sc2a", "wb", "sb", "sc2b", "out", "part",
                "counters"]  # fmt: skip
     decl = (
         "void moe_mma_launch(" + ", ".join(f"torch::Tensor {t}" for t in tensors) + ", int64_t n_out, "
         "int64_t n_in, int64_t topk, int64_t split, double alpha, double limit, bool glu);"
     )
-    return load_inline(
-        name=f"cuda_moe_v7_sm{arch}", cpp_sources=decl, cuda_sources=source, functions=["moe_mma_launch"],
-        extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"],
-    )  # fmt: skip
+    return load_kernels("cuda_moe", decl, ("moe_mma_launch",), capability)
 
 
 def split_k(n_blocks: int, n_out: int, n_in: int, n_sms: int) -> int:
@@ -199,34 +192,6 @@ def random_bank(E: int, D: int, F: int, device, seed: int = 0, special: bool = F
     return bank
 
 
-def _graph_us(fn, reps: int) -> float:
-    """Microseconds per call of `fn` captured once in a CUDA graph and replayed `reps` times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
-def _eager_us(fn, reps: int) -> float:
-    """Microseconds per eager call (for baselines with host syncs, which a graph cannot hold)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / reps
-
-
 def _selftest(shapes: list[tuple], reps: int) -> list[dict]:
     """Compile, check v7 against the reference (and v2, the tile kernel), time v7 and v2 (a CUDA graph
     of one call, replayed `reps` times: the weights come from HBM only where they exceed the 60 MB L2)
@@ -272,9 +237,9 @@ def _selftest(shapes: list[tuple], reps: int) -> list[dict]:
         row["err_vs_ref"] = (got - ref).abs().max().item() / scale
         row["err_vs_v2"] = (got - v2().float()).abs().max().item() / scale
         row["finite"] = bool(torch.isfinite(got).all())
-        row["v7_us"], row["v2_us"] = _graph_us(v7, reps), _graph_us(v2, reps)
+        row["v7_us"], row["v2_us"] = graph_us(v7, reps), graph_us(v2, reps)
         bf16 = functools.partial(moe_experts_torch, x, ids, w, bf16_banks[E, D, F])
-        row["bf16_us"] = _eager_us(bf16, reps)
+        row["bf16_us"] = eager_us(bf16, reps)
         n_active = int(torch.unique(ids).numel())
         n_weights = n_active * 3 * F * D
         row["v7_tb_s"] = n_weights * 9 / 16 / row["v7_us"] / 1e6

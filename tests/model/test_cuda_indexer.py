@@ -30,26 +30,16 @@ from model.kernels.cuda_indexer import (
     k_of,
     key_of_row,
     plan_splits,
+    ragged_tables,
     random_nvfp4_pages,
     v7_applies,
 )
 from model.kernels.indexer import index_select_blocks_ref, select_blocks
 from model.kv_cache import PagedIndex
+from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
 
 MASK32 = 0xFFFFFFFF
 DECODE_MASK = 0x81C081C0
-
-
-def a_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return g + 8 * (i not in (0, 1, 4, 5)), 2 * t + (i & 1) + 8 * (i >= 4)
-
-
-def b_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return 2 * t + (i & 1) + 8 * (i >= 2), g
-
-
-def c_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return g + 8 * (i >= 2), 2 * t + (i & 1)
 
 
 # ------------------------------------------------------------------------------- lane emulation
@@ -301,16 +291,8 @@ def test_emulated_mma_gives_the_keys_dot_products():
     assert torch.equal(emulate_tile_mma(rows, q)[:, 4:], torch.zeros(16, 4).double())
 
 
-def _ragged_case(gen, B, lens, page, N, P_extra=1):
-    n_used = [-(-n // page) for n in lens]
-    P = max(n_used) + P_extra
-    n_pages = sum(n_used) + 1
-    perm = torch.randperm(n_pages, generator=gen)
-    table = torch.full((B, P), -1, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(n_used):
-        table[b, :n] = perm[at : at + n].int()
-        at += n
+def _ragged_case(gen, B, lens, page, N):
+    table, n_pages = ragged_tables(lens, page, gen)
     pages = special_rows(n_pages * page, gen).view(n_pages, page, ROW_BYTES)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
     return q, pages, table
@@ -384,15 +366,7 @@ def _gpu_case(B, ctx, page, N, seed, ragged=True, special=True):
     lens = torch.randint(1, ctx + 1, (B,), generator=gen).tolist() if ragged else [ctx] * B
     if ragged:
         lens[0] = ctx  # the longest row reaches the table's width
-    n_used = [-(-n // page) for n in lens]
-    P = max(n_used) + 2  # -1 padding past every row
-    n_pages = sum(n_used) + 3
-    perm = torch.randperm(n_pages, generator=gen)
-    table = torch.full((B, P), -1, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(n_used):
-        table[b, :n] = perm[at : at + n].int()
-        at += n
+    table, n_pages = ragged_tables(lens, page, gen, spare_cols=2, spare_pages=3)  # -1 past every row
     dev = torch.device("cuda")
     pages = random_nvfp4_pages(n_pages, page, dev, torch.Generator(device=dev).manual_seed(seed), special)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16).to(dev)

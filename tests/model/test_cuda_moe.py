@@ -28,24 +28,13 @@ import torch
 
 from model import nvfp4
 from model.kernels.cuda_moe import _canonical, random_bank, split_k, use_moe_mma
+from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
 
 MASK32 = 0xFFFFFFFF
 MT = 4  # tiles per CTA (cuda_moe.cu)
 
 
 # ------------------------------------------------------------------------------- layouts (PTX ISA)
-def a_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return g + 8 * (i not in (0, 1, 4, 5)), 2 * t + (i & 1) + 8 * (i >= 4)
-
-
-def b_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return 2 * t + (i & 1) + 8 * (i >= 2), g
-
-
-def c_row_col(i: int, g: int, t: int) -> tuple[int, int]:
-    return g + 8 * (i >= 2), 2 * t + (i & 1)
-
-
 def kappa_to_k(kappa: int, step: int, t: int) -> int:
     return 16 * t + 8 * (step >> 1) + 2 * (step & 1) + (kappa >= 8) + 4 * (kappa & 1)
 
