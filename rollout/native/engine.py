@@ -80,6 +80,13 @@ if TYPE_CHECKING:
 # log-probs stay full-vocabulary, rollout/engine.py). DSpark speculation does not take images: a
 # vision model with a drafter is refused.
 #
+# Async decode (`async_decode`, on with the static path): an all-decode padded step launches the next
+# one before its own ids are read back (`_launch_ahead`: the next step's input ids are gathered on the
+# device from the sampled buffer), so the read-back, the bookkeeping and the next staging overlap the
+# device's pass. It runs only what `schedule` would run next (nothing queued, every running sequence
+# in the step, a page each without preempting); a row whose sequence then stops on a token is dropped
+# and its draw and cache slot undone; an adapter sync cancels the launched step; an abort drops its row.
+#
 # Host syncs: one per step (`# SYNC` below), to hand sampled ids (and log-probs, same copy) to the
 # scheduler (with speculation: one for the accepted lengths, ids and log-probs together, and in
 # scheduled mode one for the lengths to verify; the runner's staging may wait on its own copy of two
