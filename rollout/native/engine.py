@@ -423,14 +423,11 @@ class NativeEngine:
         if not all(sch.reserve(s, s.num_computed + 1) for _, s in rows):
             return None  # pages are short: the scheduler decides (it may preempt)
         seqs = [s for _, s in rows]
-        params = [s.group.request.params for s in seqs]
         n = len(seqs)
         inputs = StepInputs(
             [0] * n, [s.num_computed for s in seqs], list(range(n)), [s.block_table for s in seqs],
             [s.num_computed + 1 for s in seqs], list(range(n)), sample_src=list(range(n)),
-            rngs=[s.rng for s in seqs], temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params], top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-            extra_ints={"src": [i for i, _ in rows]}, is_decode=True,
+            **_sampling_fields(seqs), extra_ints={"src": [i for i, _ in rows]}, is_decode=True,
         )  # fmt: skip
         views = self.runner.prepare_lookahead(inputs, cur.tokens_B)
         logits_RV = self.runner.run(views, inputs)
@@ -456,10 +453,7 @@ class NativeEngine:
             j = in_next.get(id(s))
             if j is not None:
                 nxt.live[j] = False
-                self.lookahead_discarded += 1
-                if s.rng is not None:
-                    s.rng.draws -= 1
-                self.scheduler.rollback(s, s.num_computed - 1)
+                self._undo_ahead(s)
             finished.append(self._finish(s, now))
         return finished
 
@@ -471,10 +465,14 @@ class NativeEngine:
             return
         for s, ok in zip(nxt.seqs, nxt.live):
             if ok:
-                if s.rng is not None:
-                    s.rng.draws -= 1
-                self.scheduler.rollback(s, s.num_computed - 1)
-        self.lookahead_discarded += sum(nxt.live)
+                self._undo_ahead(s)
+
+    def _undo_ahead(self, s: Sequence) -> None:
+        """`s`'s row of the step launched ahead never happened: its draw and its cache slot go back."""
+        if s.rng is not None:
+            s.rng.draws -= 1
+        self.scheduler.rollback(s, s.num_computed - 1)
+        self.lookahead_discarded += 1
 
     def _plan(
         self, chunks: list[ScheduledChunk], spec_chunks: list[ScheduledChunk], num_verify: list[int]
@@ -525,11 +523,9 @@ class NativeEngine:
                     forks.append((src, dst))
                 sample_src += [r] * len(forked)
                 seqs += forked
-        params = [s.group.request.params for s in seqs]
         inputs = StepInputs(
             ids, pos, seq_idx, tables, lens, sample_rows + [r for rows in spec_rows for r in rows],
-            sample_src=sample_src, rngs=[s.rng for s in seqs], temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params], top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+            sample_src=sample_src, **_sampling_fields(seqs),
             image_features_NE=torch.cat(feature_parts) if feature_parts else None,
         )  # fmt: skip
         inputs.is_decode = (
@@ -773,6 +769,14 @@ class NativeEngine:
             if group.images is not None:
                 group.images.features_NE = None
         return dropped
+
+
+def _sampling_fields(seqs: list[Sequence]) -> dict:
+    """Per-row sampling inputs of a step (`StepInputs` fields) for the sampled sequences, in row order."""
+    params = [s.group.request.params for s in seqs]
+    return dict(rngs=[s.rng for s in seqs], temperature=[p.temperature for p in params],
+                top_k=[p.top_k for p in params], top_p=[p.top_p for p in params],
+                min_p=[p.min_p for p in params])  # fmt: skip
 
 
 def _has_expert_parallel(model: torch.nn.Module) -> bool:
