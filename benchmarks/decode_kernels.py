@@ -7,7 +7,7 @@ the torch path is checked on the same inputs before timing; data is random (neve
 M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K and 128K.
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
-       [--variants v2 v6]   (MoE: --only moe --variants v2 v7, the CUDA v7 vs the v2 tile kernel;
+       [--variants v2 v7]   (MoE: --only moe --variants v2 v7, the CUDA v7 vs the v2 tile kernel;
        attention v2 vs v6 vs FP8: --only attention --variants v2 v6)
 """
 
@@ -24,11 +24,7 @@ from model.kernels.indexer import index_select_blocks_torch
 from model.kernels.moe import moe_experts_torch, swigluoai
 from model.kernels.sparse_attention import sparse_attention_torch
 from model.kernels.triton_gemv import GEMV_MAX_ROWS, nvfp4_linear_triton
-from model.kernels.triton_indexer import (
-    _index_scores_tuned,
-    _index_scores_v6_tuned,
-    index_select_blocks_triton,
-)
+from model.kernels.triton_indexer import _index_scores_tuned, index_select_blocks_triton
 from model.kernels.triton_kv_append import kv_append
 from model.kernels.triton_moe import _nvfp4_moe_tuned, moe_nvfp4_triton, nvfp4_mlp_triton
 from model.kernels.triton_sparse_attention import (
@@ -51,26 +47,24 @@ from model.layers.moe import ExpertBank
 # (host syncs, not capturable) are eager.
 #
 # `--variants`: the versions timed side by side, each op taking those it has (OP_VARIANTS; without the
-# flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v6 (NVFP4 keys on
-# the MMA's M side, the default), v2 (byte-wise), v7 (opt-in: the CUDA kernel of
-# model/kernels/cuda_indexer.py for NVFP4; FP8 keys take v6's path); later versions record whether
-# their selections equal the baseline's. Attention: v6 (K / V decoded in registers into the dot
-# operands, the default; autotuned over V6_CONFIGS), v2 (byte-wise). GEMV: v3 (split-K FMA, the
-# default), v2 (tile kernel).
-# NVFP4 and FP8 are timed per version (FP8 / bf16 run the same code in every version); the ratio
-# table prints NVFP4 vs FP8 for each and each later version vs the first. MoE: the routed experts by
-# the v2 tile kernel and by v7 (`model.kernels.cuda_moe`, CUDA mma.sync, the default at decode sizes)
-# side by side, routed and layer times per variant, then v7 vs v2 (v2 is always timed, as the
-# baseline).
+# flag OP_DEFAULTS; the first named is the baseline of the ratio rows). Indexer: v7 (the CUDA kernel of
+# model/kernels/cuda_indexer.py for NVFP4, the default; FP8 keys take the tuned tile kernel), v2
+# (byte-wise); later versions record whether their selections equal the baseline's. Attention: v6 (K / V
+# decoded in registers into the dot operands, the default; autotuned over V6_CONFIGS), v2 (byte-wise).
+# GEMV: v3 (split-K FMA, the default), v2 (tile kernel). NVFP4 and FP8 are timed per version (FP8 / bf16
+# run the same code in every version); the ratio table prints NVFP4 vs FP8 for each and each later version
+# vs the first. MoE: the routed experts by the v2 tile kernel and by v7 (`model.kernels.cuda_moe`, CUDA
+# mma.sync, the default at decode sizes) side by side, routed and layer times per variant, then v7 vs v2
+# (v2 is always timed, as the baseline).
 
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
-    "indexer": ("v2", "v6", "v7"),
+    "indexer": ("v2", "v7"),
     "attention": ("v2", "v6"),
     "gemv": ("v2", "v3"),
     "moe": ("v2", "v7"),
 }
-OP_DEFAULTS = {"indexer": ("v6",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v7")}
+OP_DEFAULTS = {"indexer": ("v7",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v7")}
 ROWS: list[dict] = []
 JSON_PATH: str | None = None  # rows are appended as they are measured (a cut-short run keeps them)
 
@@ -172,9 +166,9 @@ def ratio_rows(kernel: str, shape: str, times: dict, variants: tuple, target: fl
 def run_indexer(
     cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["indexer"]
 ) -> None:
-    """Indexer scores + top-k per cache format and decode version (`variant`: v6 the keys-on-M
-    kernel for NVFP4, autotuned over V6_CONFIGS; v2 the byte-wise decode, one config). FP8 and bf16
-    keys take the same code in every version (v2 only leaves their launch untuned). Ratios per version."""
+    """Indexer scores + top-k per cache format and decode version (`variant`: v7 the CUDA kernel for
+    NVFP4; v2 the byte-wise decode, one config). FP8 and bf16 keys take the same tile kernel in every
+    version (v2 only leaves their launch untuned). Ratios per version."""
     N, C, page, K = cfg.index_n_heads, cfg.index_head_dim, cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
     seq = torch.arange(B, device=device, dtype=torch.int32)
@@ -214,8 +208,8 @@ def run_indexer(
             extra["eager_us"] = round(t_eager, 1)  # do_bench, L2 flushed, host launch cost included
             if t_torch is not None:
                 extra["speedup_vs_torch_eager"] = round(t_torch / t_eager, 2)
-            tuner = _index_scores_v6_tuned if variant == "v6" and dtype == "nvfp4" else _index_scores_tuned
-            extra["config"] = str(getattr(tuner, "best_config", None)) if variant != "v2" else "default"
+            tuned = str(getattr(_index_scores_tuned, "best_config", None))
+            extra["config"] = tuned if variant != "v2" else "default"
             if variant == "v7" and dtype == "nvfp4":
                 extra["config"] = "cuda v7"
             record("indexer", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes, **extra)
@@ -470,9 +464,9 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="*", type=int, default=None, help="context lengths (tokens)")
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"],
-                    help="versions to time side by side, each op taking those it has (indexer v2 v6 v7, "
+                    help="versions to time side by side, each op taking those it has (indexer v2 v7, "
                          "attention v2 v6, gemv v2 v3, moe v2 v7; the first named is the baseline of the "
-                         "ratio rows); default: indexer v6, attention v6, gemv v3, moe v2 v7")  # fmt: skip
+                         "ratio rows); default: indexer v7, attention v6, gemv v3, moe v2 v7")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH
     JSON_PATH = args.json

@@ -318,14 +318,7 @@ def indexer_cases() -> list[Case]:
             out.append(Case(f"indexer {label}", ix._index_scores_kernel, consts, ptrs, num_warps=w,
                             num_stages=st, elems=128 * 128 // (32 * w), divisibility=div,
                             tile_bytes=128 * (72, 128, 256)[2 - fmt]))  # fmt: skip
-    # v6: keys on the MMA's M side, decoded in registers (V6_CONFIGS: sub-tile keys, warps, stages).
-    ptrs = dict(q_ptr="bf16", pages_ptr="u8", bt_ptr="i32", seq_ptr="i32", pos_ptr="i64", scale_ptr="fp32",
-                out_ptr="fp32")  # fmt: skip
-    consts = dict(N=4, NP=4, C=128, PAGE=128, HW=True)
-    for sub, w, st in ix.V6_CONFIGS:
-        out.append(Case(f"indexer nvfp4 v6 SUB={sub}", ix._index_scores_v6_kernel, {**consts, "SUB": sub},
-                        ptrs, num_warps=w, num_stages=st, elems=128 * 128 // (32 * w),
-                        tile_bytes=128 * 72))  # fmt: skip
+    # NVFP4 keys of head dim 128 take the CUDA kernel of model/kernels/cuda_indexer.py on a GPU.
     return out
 
 

@@ -15,8 +15,8 @@ v7`) at M3.1-Flash widths for --batch tokens (random top-k ids, every token K di
 
 Usage: python benchmarks/profile_decode.py [--only indexer attention gemv moe] [--batch 64] [--context 131072]
        [--variants v2 v6 v7]   (each op profiles the named versions it has, else its default: indexer
-       v6, attention v6, moe v7; attention v2 vs v6: --only attention --variants v2 v6; indexer v6 vs the
-       CUDA v7 of model/kernels/cuda_indexer.py: --only indexer --variants v6 v7)
+       v7 (the CUDA kernel of model/kernels/cuda_indexer.py), attention v6, moe v7; attention v2 vs v6:
+       --only attention --variants v2 v6; indexer v2 vs v7: --only indexer --variants v2 v7)
 """
 
 import argparse
@@ -73,7 +73,7 @@ def main() -> None:
         scale = torch.tensor(0.01, device=device)
         for dtype in ("nvfp4", "fp8"):
             pages = random_pages((n_pages, cfg.index_block_size), dtype, C, device)
-            for v in versions("indexer", "v6"):
+            for v in versions("indexer", "v7"):
                 fn = lambda p=pages, d=dtype, v=v: index_select_blocks_triton(
                     q_i, p, d, scale, table, seq, pos, **kw, variant=v
                 )

@@ -31,7 +31,7 @@
 // mantissa msb, = e2m1 * 2^-126 exactly (0.5 a bf16 subnormal). One bf16x2 FMA by the block scale
 // s * 2^119 gives e2m1 * s * 2^-7 exactly; the products with the bf16 query are exact in fp32. The
 // epilogue masks keys past pos with -inf, takes the max over the block's keys (per lane, then over the
-// 8 lanes g holding the same head pair), and multiplies by scale_2 * 2^7 (> 0: after the max, as v6).
+// 8 lanes g holding the same head pair), and multiplies by scale_2 * 2^7 (> 0: after the max, as the reference).
 //
 // Standalone compile check (no torch, no GPU): nvcc -DCUDA_INDEXER_STANDALONE -std=c++17 -O3 -arch=sm_90a
 // -cubin -Xptxas -v -I model/kernels -x cu model/kernels/cuda_indexer.cu -o /tmp/idx.cubin: 94 registers, 0 spills (nvcc

@@ -4,13 +4,14 @@ What: `index_block_scores_cuda(q, pages, scale, block_tables, seq_idx, positions
 [T, N, P] of `triton_indexer.index_block_scores_triton` (entries of blocks past a row's own block left
 unwritten) for NVFP4 index keys of head dim 128 in packed 72-byte rows, bf16 queries, N <= 8 heads and
 pages of a multiple of 64 tokens; `index_block_scores_triton(variant="v7")` dispatches here.
-Why: the indexer streams every cached key at every decode step, so it should run at the HBM roofline;
-Triton v6 is latency / occupancy bound (121 registers, 19.8% occupancy, DRAM 29-32%). Here each
-warp streams whole 64-key chunks (4.6 KB TMA copies into a per-warp shared-memory ring), every lane
-reads its key rows' code bytes in the order of its mma.m16n8k16 A fragment (two scale blocks per row
-and lane: a fixed k permutation, free because the 128 dims are summed inside the warp) and decodes
-them with three integer ops and one bf16x2 FMA per value pair, as model/kernels/cuda_moe.cu. The
-kernel, its fragment mapping and the decode arithmetic are documented in model/kernels/cuda_indexer.cu.
+Why: the indexer streams every cached key at every decode step, so it should run at the HBM roofline; the
+Triton keys-on-M kernel it replaced (v6, deleted; 0.55x this at B = 64, 128K) was latency / occupancy bound
+(121 registers, 19.8% occupancy, DRAM 29-32%). Here each warp streams whole 64-key chunks (4.6 KB TMA copies
+into a per-warp shared-memory ring), every lane reads its key rows' code bytes in the order of its
+mma.m16n8k16 A fragment (two scale blocks per row and lane: a fixed k permutation, free because the 128 dims
+are summed inside the warp) and decodes them with three integer ops and one bf16x2 FMA per value pair, as
+model/kernels/cuda_moe.cu. The kernel, its fragment mapping and the decode arithmetic are documented in
+model/kernels/cuda_indexer.cu.
 
 Invariants: semantics are `model.kernels.indexer`'s (raw dot, max over the causally visible keys of a
 block, the positive global scale applied after the max); the decoded key e2m1 * s * 2^-7 is exact in
@@ -120,7 +121,7 @@ def index_block_scores_cuda(
 ) -> torch.Tensor:  # fmt: skip
     """Block scores [T, N, P] fp32 for NVFP4 index pages uint8 [pages, page, 72] (see `v7_applies`);
     scale: the fp32 dequant-side global (0-d). Entries of blocks past a row's own block are left as
-    they were (unwritten). Positions must lie inside the rows' allocated pages (as for v6)."""
+    they were (unwritten). Positions must lie inside the rows' allocated pages (as for the tile kernel)."""
     T, N, _ = index_q_TNC.shape
     if not v7_applies(index_q_TNC, pages, "nvfp4"):
         raise ValueError(
@@ -225,7 +226,8 @@ def _case(B: int, ctx: int, page: int, N: int, gen: torch.Generator, ragged: boo
 
 
 def _time_shape(B: int, ctx: int, gen: torch.Generator, scale: torch.Tensor, kw: dict, reps: int) -> dict:
-    """v7 (scores alone, and with the top-k launch) vs v6 and the FP8 tile kernel at one shape, each
+    """v7 (scores alone, and with the top-k launch) vs the byte-wise tile kernel (v2) and the FP8 tile
+    kernel at one shape, each
     a CUDA graph of one call replayed `reps` times (B = 64: keys far beyond the 60 MB L2; B = 1: they
     fit in it), plus v7's split heuristic at half and twice its waves."""
     from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
@@ -236,21 +238,21 @@ def _time_shape(B: int, ctx: int, gen: torch.Generator, scale: torch.Tensor, kw:
     fp8 = fp8.view(torch.uint8)
     row = dict(kind="time", B=B, ctx=ctx)
     v7s = index_block_scores_cuda(q, pages, scale, table, seq, pos)
-    v6s = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
+    v2s = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v2")
     cand = (torch.arange(table.shape[1], device=dev) <= (pos // 128)[:, None, None]).expand_as(v7s)
-    row["err_v7_vs_v6"] = ((v7s - v6s).abs()[cand].max() / v6s.abs()[cand].max()).item()
+    row["err_v7_vs_v2"] = ((v7s - v2s).abs()[cand].max() / v2s.abs()[cand].max()).item()
 
     def select(variant: str, keys: torch.Tensor = pages, dtype: str = "nvfp4"):
         return lambda: index_select_blocks_triton(
             q, keys, dtype, scale, table, seq, pos, **kw, variant=variant
         )
 
-    row["select_equal_v6"] = round((select("v7")() == select("v6")()).float().mean().item(), 4)
+    row["select_equal_v2"] = round((select("v7")() == select("v2")()).float().mean().item(), 4)
     timed = {
         "v7_scores": lambda: index_block_scores_cuda(q, pages, scale, table, seq, pos),
         "v7": select("v7"),
-        "v6": select("v6"),
-        "fp8": select("v6", fp8, "fp8"),
+        "v2": select("v2"),
+        "fp8": select("v7", fp8, "fp8"),
     }
     for waves in (WAVES // 2, WAVES * 2):  # the split heuristic's neighbours
         timed[f"v7_scores_waves{waves}"] = functools.partial(
@@ -259,13 +261,13 @@ def _time_shape(B: int, ctx: int, gen: torch.Generator, scale: torch.Tensor, kw:
     for name, fn in timed.items():
         row[f"{name}_us"] = graph_us(fn, reps)
     nv_bytes, fp8_bytes = B * ctx * ROW_BYTES, B * ctx * HEAD_DIM
-    for name in ("v7_scores", "v7", "v6"):
+    for name in ("v7_scores", "v7", "v2"):
         row[f"{name}_tb_s"] = nv_bytes / row[f"{name}_us"] / 1e6
         row[f"{name}_of_4.17"] = row[f"{name}_tb_s"] / 4.17
     row["fp8_tb_s"] = fp8_bytes / row["fp8_us"] / 1e6
     row["v7_vs_fp8"] = row["fp8_us"] / row["v7_us"]
-    row["v6_vs_fp8"] = row["fp8_us"] / row["v6_us"]
-    row["v7_vs_v6"] = row["v6_us"] / row["v7_us"]
+    row["v2_vs_fp8"] = row["fp8_us"] / row["v2_us"]
+    row["v7_vs_v2"] = row["v2_us"] / row["v7_us"]
     return row
 
 
@@ -286,16 +288,16 @@ def _selftest(reps: int, quick: bool) -> list[dict]:
         got = index_block_scores_cuda(
             q, pages, scale, table, seq, pos, out_TNP=torch.full_like(ref, float("nan"))
         )
-        v6 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
+        v2 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v2")
         cand = torch.isfinite(ref)
         norm = ref[cand].abs().max().item()
         sel7 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7")
-        sel6 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v6")
+        sel2 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v2")
         row = dict(kind="check", B=B, ctx=ctx, page=page, N=N, special=special,
                    err_vs_ref=(got[cand] - ref[cand]).abs().max().item() / norm,
-                   err_v6_vs_ref=(v6[cand] - ref[cand]).abs().max().item() / norm,
+                   err_v2_vs_ref=(v2[cand] - ref[cand]).abs().max().item() / norm,
                    untouched_kept=bool(got[~cand].isnan().all()),
-                   select_equal_v6=round((sel7 == sel6).float().mean().item(), 4))  # fmt: skip
+                   select_equal_v2=round((sel7 == sel2).float().mean().item(), 4))  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
     # Timings: M3.1-Flash indexer shapes (4 heads, 128 dims, blocks of 128, top-16).
@@ -308,19 +310,19 @@ def _selftest(reps: int, quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="v7 CUDA indexer self-check: errors vs reference / v6, timings")
+    ap = argparse.ArgumentParser(description="v7 CUDA indexer self-check: errors vs reference / v2, timings")
     ap.add_argument("--selftest", action="store_true", required=True)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="32K contexts only")
     args = ap.parse_args()
     rows = _selftest(args.reps, args.quick)
-    print(f"{'B':>3} {'ctx':>7} {'v7 us':>8} {'v6 us':>8} {'fp8 us':>8} {'v7 TB/s':>8} {'of 4.17':>8} "
-          f"{'v7/fp8':>7} {'v6/fp8':>7} {'v7/v6':>6} {'sel=v6':>7}")  # fmt: skip
+    print(f"{'B':>3} {'ctx':>7} {'v7 us':>8} {'v2 us':>8} {'fp8 us':>8} {'v7 TB/s':>8} {'of 4.17':>8} "
+          f"{'v7/fp8':>7} {'v2/fp8':>7} {'v7/v2':>6} {'sel=v2':>7}")  # fmt: skip
     for r in rows:
         if r["kind"] == "time":
-            print(f"{r['B']:3d} {r['ctx']:7d} {r['v7_us']:8.1f} {r['v6_us']:8.1f} {r['fp8_us']:8.1f} "
+            print(f"{r['B']:3d} {r['ctx']:7d} {r['v7_us']:8.1f} {r['v2_us']:8.1f} {r['fp8_us']:8.1f} "
                   f"{r['v7_scores_tb_s']:8.3f} {r['v7_scores_of_4.17']:8.1%} {r['v7_vs_fp8']:7.2f} "
-                  f"{r['v6_vs_fp8']:7.2f} {r['v7_vs_v6']:6.2f} {r['select_equal_v6']:7.4f}")  # fmt: skip
+                  f"{r['v2_vs_fp8']:7.2f} {r['v7_vs_v2']:6.2f} {r['select_equal_v2']:7.4f}")  # fmt: skip
     bad = [r for r in rows if r["kind"] == "check" and (r["err_vs_ref"] > 1e-4 or not r["untouched_kept"])]
     print("CHECKS", f"FAILED: {json.dumps(bad)}" if bad else "passed (within 1e-4 of the reference's max)")
     if bad:

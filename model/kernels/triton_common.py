@@ -3,8 +3,8 @@
 Why a module of its own: the KV append, indexer, sparse-attention and MoE kernels all decode E2M1
 nibbles and round fp32 to E4M3 / bf16, and each must do it as `model.nvfp4` does, bit for bit. E2M1
 decodes without tables by the bit trick of docs/FACTS.md, "Kernel facts" (callers fold 2^6 into the
-block scale); `e2m1_half_f16` / `e2m1_half_scaled_f16` (the indexer's and the attention's v6)
-decode four code bytes per 32-bit register in inline PTX straight into a dot operand.
+block scale); `e2m1_half_f16` / `e2m1_half_scaled_f16` (the attention's v6) decode four code
+bytes per 32-bit register in inline PTX straight into a dot operand.
 
 Invariants: every rounding cast is round-to-nearest-even in both implementations chosen by the
 constexpr `HW` (the hardware `cvt.rn.satfinite` when compiled for a GPU; integer bit manipulation in
@@ -212,7 +212,7 @@ def e2m1_nibble_f32_x2p126(w, NIB: tl.constexpr):
 
 
 # ------------------------------------------------------------ v6: scaled E2M1 halves in registers
-# The indexer's and the attention's v6 decode (their K / V tiles are dot operands decoded in
+# The attention's v6 decode (its K / V tiles are dot operands decoded in
 # registers). Four code bytes per 32-bit register w -> e4m3 bytes worth e2m1 * 2^-6 of their low
 # (even) or high (odd) nibbles (the identity of docs/FACTS.md, "Kernel facts": low nibbles
 # ((w << 4) & 0x80808080) | ((w << 2) & 0x1C1C1C1C), high ones (w & 0x80808080) | ((w >> 2) &

@@ -3,10 +3,11 @@
 Why: the indexer reads every cached index key at every decode step, so it is bound by HBM bytes
 (NVFP4 keys are 72 B/token against FP8's 128 B). Keys are read once per query row (all index heads
 together), dequantized in registers, and only per-block maxima leave the chip; the context is split
-over programs so that batch 1 still fills the GPU. NVFP4 keys of head dim 128 in packed rows are
-decoded in registers on the MMA's M side (v6, the default; v3's fp16 tiles through shared memory
-measured 1.87x slower); the byte-wise decode ("v2") serves every other shape and FP8 / bf16 keys a
-plain tile kernel. History: benchmarks/RESULTS.md.
+over programs so that batch 1 still fills the GPU. On CUDA, NVFP4 keys of head dim 128 in packed rows
+take the CUDA kernel of `model.kernels.cuda_indexer` (v7, the default: 2.18x the FP8 keys at B = 64,
+128K; the Triton keys-on-M v6 it replaced was 1.19x); every other format and shape, and NVFP4 keys
+on the interpreter, run the tile kernel here (NVFP4 decoded byte-wise, "v2"), the selection always
+the top-k kernel here. History: benchmarks/RESULTS.md.
 
 Invariants: semantics are `model.kernels.indexer`'s (docs/FACTS.md, "MSA and the lightning
 indexer"); scores equal the reference's up to fp32 summation order, selections equal it except at
@@ -21,12 +22,10 @@ import triton.language as tl
 
 from model.kernels.triton_common import (
     dot_bf16,
-    e2m1_half_f16,
     f32_to_bf16,
     load_nvfp4_tile,
     num_sms,
     opaque_to_compile,
-    pow2_row_scale,
     safe_do_bench,
     use_hw_casts,
 )
@@ -34,14 +33,10 @@ from model.kernels.triton_common import (
 FMT_FLOAT, FMT_FP8, FMT_NVFP4 = 0, 1, 2
 _FMT = {"fp32": FMT_FLOAT, "bf16": FMT_FLOAT, "fp8": FMT_FP8, "nvfp4": FMT_NVFP4, "nvfp4_4over6": FMT_NVFP4}
 PROGRAMS_PER_SM = 4
-# v6 holds 121 registers a thread (4 programs of 4 warps an SM): 16 programs per SM, >= 2 blocks each,
-# measured 336.7 vs 398.0 us at B = 64, 128K and level at B = 1 (benchmarks/RESULTS.md, session 9).
-V6_PROGRAMS_PER_SM = 16
-DecodeVariant = Literal["v6", "v2", "v7"]
-"""v6: NVFP4 keys on the MMA's M side, decoded in registers (the default); v2: the byte-wise decode
-(every shape; tests and benchmarks compare with it); v7 (opt-in): the CUDA kernel of
-`model.kernels.cuda_indexer` (TMA-streamed chunks, mma.sync) where it applies, else v6."""
-V6_HEAD_DIM = 128  # v6 reads packed 72-byte rows (8-byte aligned) of 128 values
+DecodeVariant = Literal["v7", "v2"]
+"""v7: the CUDA kernel of `model.kernels.cuda_indexer` where `cuda_indexer.v7_applies` (NVFP4 keys of
+head dim 128 on CUDA; the default), else the tile kernel, autotuned at decode size; v2: the tile
+kernel untuned, NVFP4 keys byte-wise (tests and benchmarks compare with it)."""
 
 
 @triton.jit
@@ -118,90 +113,6 @@ def _index_scores_kernel(
         tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n, mask=is_head)
 
 
-# v6 decode: `triton_common.e2m1_half_f16` (E2M1 nibbles -> fp16 e2m1 * 2^-6 in registers; low and
-# high nibbles are separate tiles, so no interleave ever reorders registers).
-
-
-# `_index_scores_v6_kernel` (NVFP4 keys, C = 128, bf16 queries), grid (T, SPLITS) as the tile kernel. Keys
-# are on the MMA's M side: a [SUB, C/2] tile of raw code bytes is the A operand, decoded in registers in the
-# dot-operand layout (the byte loads are pipelined into shared memory; no decoded tile is ever stored
-# there, which bound the deleted v3: ncu L1/TEX 72-81% busy). Block scales are applied to accumulators,
-# not tiles: the B operand is the query expanded per scale block, column w = n * NB + b holding head
-# n's values in block b and zeros elsewhere, so one dot per half gives every block's partial score
-# [SUB, NP * NB]; times its key's block scale and summed over b that is the key's score per head.
-# Numerics: e2m1 * 2^-6 and the power-of-two-prescaled query (`pow2_row_scale`) are exact in fp16, each
-# product exact in the fp32 accumulator; the reference's scores up to fp32 summation order.
-@triton.jit
-def _index_scores_v6_kernel(
-    q_ptr, stride_qt, stride_qn,
-    pages_ptr, stride_pp,
-    bt_ptr, stride_bb, seq_ptr, pos_ptr, scale_ptr,
-    out_ptr, stride_ot, stride_on,
-    BPS, tune_class,
-    N: tl.constexpr, NP: tl.constexpr, C: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr,
-    HW: tl.constexpr,
-):  # fmt: skip
-    pid_t = tl.program_id(0)
-    blk0 = tl.program_id(1) * BPS
-    seq = tl.load(seq_ptr + pid_t).to(tl.int64)
-    pos = tl.load(pos_ptr + pid_t).to(tl.int64)
-    n_iter = tl.minimum(BPS, pos // PAGE + 1 - blk0)
-    HALF: tl.constexpr = C // 2  # code bytes per row; scale bytes follow
-    ROW: tl.constexpr = HALF + C // 16  # packed rows (a constant stride: 8-byte vector loads)
-    NB: tl.constexpr = C // 16  # scale blocks per row
-    W: tl.constexpr = NP * NB
-    offs_j = tl.arange(0, HALF)  # byte j holds values 2j (low nibble) and 2j + 1, block j // 8
-    offs_w = tl.arange(0, W)
-    offs_b = tl.arange(0, NB)
-    offs_c = tl.arange(0, C)
-    offs_s = tl.arange(0, SUB)
-    offs_n = tl.arange(0, NP)
-    col_n = offs_w // NB
-    col_b = offs_w % NB
-    q_row = q_ptr + pid_t * stride_qt
-    q_nc = tl.load(
-        q_row + offs_n[:, None] * stride_qn + offs_c[None, :], mask=(offs_n < N)[:, None], other=0.0
-    )
-    mul_n, inv_n = pow2_row_scale(q_nc.to(tl.float32))
-    mul_w = tl.reshape(tl.broadcast_to(mul_n[:, None], (NP, NB)), (W,))  # column w = n * NB + b: head n's
-    g_n = inv_n * (tl.load(scale_ptr).to(tl.float32) * 64.0)
-    is_w = ((offs_j[:, None] // 8) == col_b[None, :]) & (col_n < N)[None, :]
-    q_even = q_row + col_n[None, :] * stride_qn + 2 * offs_j[:, None]
-    qe_jw = (tl.load(q_even, mask=is_w, other=0.0).to(tl.float32) * mul_w[None, :]).to(tl.float16)
-    qo_jw = (tl.load(q_even + 1, mask=is_w, other=0.0).to(tl.float32) * mul_w[None, :]).to(tl.float16)
-    NSUB: tl.constexpr = PAGE // SUB
-    for i in range(0, n_iter):
-        blk = blk0 + i
-        page = tl.load(bt_ptr + seq * stride_bb + blk).to(tl.int64)
-        best_n = tl.full((NP,), float("-inf"), tl.float32)
-        for u in tl.static_range(NSUB):
-            rows = pages_ptr + page * stride_pp + (u * SUB + offs_s[:, None]) * ROW
-            # Unmasked: a visible block's page is allocated; keys past pos are dropped below.
-            codes_sj = tl.load(rows + offs_j[None, :])
-            even_sj = e2m1_half_f16(codes_sj, False, HW)
-            odd_sj = e2m1_half_f16(codes_sj, True, HW)
-            part_sw = tl.dot(even_sj, qe_jw) + tl.dot(odd_sj, qo_jw)
-            # The row's NB scale bytes once, broadcast over the heads (a [SUB, W] gather cost 1.09x).
-            bscale_sb = tl.load(rows + HALF + offs_b[None, :]).to(tl.float8e4nv, bitcast=True)
-            part_snb = tl.reshape(part_sw, (SUB, NP, NB)) * bscale_sb.to(tl.float32)[:, None, :]
-            s_sn = tl.sum(part_snb, axis=2)
-            is_vis = blk * PAGE + u * SUB + offs_s <= pos
-            best_n = tl.maximum(best_n, tl.max(tl.where(is_vis[:, None], s_sn, float("-inf")), axis=0))
-        tl.store(out_ptr + pid_t * stride_ot + offs_n * stride_on + blk, best_n * g_n, mask=offs_n < N)
-
-
-# (SUB, warps, stages): from 6 stages the code-byte tile is double-buffered (2 x 8 KB at 128 keys;
-# TTGIR, sm_90), below it one tile is in flight per program; 32-key tiles get mma.sync, not wgmma.
-# Register caps (96 / 64 at SUB = 128, 64 at SUB = 64: 5-8 programs per SM) lost to the uncapped
-# (128, 4, 6) in the H200 autotune (RESULTS.md, session 10) and were dropped.
-V6_CONFIGS = ((64, 4, 3), (64, 4, 6), (128, 4, 3), (128, 4, 6), (128, 8, 3), (128, 8, 6))
-_index_scores_v6_tuned = triton.autotune(
-    [triton.Config({"SUB": sub}, num_warps=w, num_stages=st) for sub, w, st in V6_CONFIGS],
-    key=["tune_class", "PAGE"],
-    do_bench=safe_do_bench,
-)(_index_scores_v6_kernel)
-
-
 @triton.jit
 def _index_topk_kernel(
     scores_ptr, stride_st, stride_sn, pos_ptr, out_ptr, stride_ot, stride_on,
@@ -252,46 +163,14 @@ def plan_splits(n_rows: int, n_blocks: int, device: torch.device, per_sm: int = 
     return -(-n_blocks // bps), bps
 
 
-def _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP) -> None:
-    """v6 scores launch: autotuned over V6_CONFIGS on a GPU at decode size, else one sub-tile of
-    min(page, 64) keys with 4 warps."""
-    T, N, C = index_q_TNC.shape
-    P, page = block_tables_BP.shape[1], pages.shape[1]
-    splits, bps = plan_splits(T, P, index_q_TNC.device, V6_PROGRAMS_PER_SM, min_bps=2)
-    args = (
-        index_q_TNC, index_q_TNC.stride(0), index_q_TNC.stride(1),
-        pages, pages.stride(0),
-        block_tables_BP, block_tables_BP.stride(0), seq_idx_T, positions_T, scale,
-        scores_TNP, scores_TNP.stride(0), scores_TNP.stride(1), bps, (T * P).bit_length(),
-    )  # fmt: skip
-    consts = dict(N=N, NP=max(2, triton.next_power_of_2(N)), C=C, PAGE=page, HW=use_hw_casts())
-    if use_hw_casts() and T * splits >= 256 and page >= 128:
-        _index_scores_v6_tuned[(T, splits)](*args, **consts)
-    else:
-        _index_scores_v6_kernel[(T, splits)](*args, **consts, SUB=min(page, 64), num_warps=4, num_stages=3)
-
-
-def v6_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bool:
-    """Whether `variant="v6"` runs the keys-on-M kernel: NVFP4 keys of head dim 128 in packed,
-    8-byte aligned rows and bf16 queries (other inputs take the tile kernel)."""
-    C = index_q_TNC.shape[-1]
-    return (
-        C == V6_HEAD_DIM and pages.data_ptr() % 8 == 0 and pages.stride(1) == C // 2 + C // 16
-        and _FMT[dtype] == FMT_NVFP4 and index_q_TNC.dtype == torch.bfloat16
-    )  # fmt: skip
-
-
 @opaque_to_compile
 def index_block_scores_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
-    variant: DecodeVariant = "v6",
+    variant: DecodeVariant = "v7",
 ) -> torch.Tensor:  # fmt: skip
-    """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten).
-    `variant`: "v6" runs the keys-on-M kernel for NVFP4 keys of head dim 128 in packed rows with bf16
-    queries (anything else: the tile kernel, autotuned at decode size); "v2" the tile kernel untuned
-    (NVFP4 keys byte-wise, as every NVFP4 shape that is not v6's); "v7" the CUDA kernel where
-    `cuda_indexer.v7_applies`, else as "v6"."""
+    """Block scores [T, N, P] fp32 (entries of blocks past a row's own block are left unwritten), by
+    the kernel `variant` names (`DecodeVariant`)."""
     if variant not in DecodeVariant.__args__:
         raise ValueError(f"indexer: variant must be one of {DecodeVariant.__args__}, got {variant!r}")
     T, N, C = index_q_TNC.shape
@@ -300,17 +179,13 @@ def index_block_scores_triton(
     scores_TNP = torch.empty((T, N, P), dtype=torch.float32, device=index_q_TNC.device)
     if T == 0:
         return scores_TNP
-    if variant == "v7":
+    if variant == "v7" and index_q_TNC.is_cuda:
         from model.kernels.cuda_indexer import index_block_scores_cuda, v7_applies
 
         if v7_applies(index_q_TNC, pages, dtype):
             return index_block_scores_cuda(
                 index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, out_TNP=scores_TNP
             )
-        variant = "v6"
-    if variant == "v6" and v6_applies(index_q_TNC, pages, dtype):
-        _launch_v6(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T, scores_TNP)
-        return scores_TNP
     splits, bps = plan_splits(T, P, index_q_TNC.device)
     dot_f32 = index_q_TNC.dtype != torch.bfloat16 or dtype == "fp32"
     # Launches big enough to matter pick warps / pipeline depth by timing on first use; v2 keeps its
@@ -333,7 +208,7 @@ def index_select_blocks_triton(
     index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str, scale: torch.Tensor,
     block_tables_BP: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
     *, topk: int, local_blocks: int, init_blocks: int, out_TNK: torch.Tensor | None = None,
-    variant: DecodeVariant = "v6",
+    variant: DecodeVariant = "v7",
 ) -> torch.Tensor:  # fmt: skip
     """Selected blocks [T, N, topk] int64 (into `out_TNK` if given); no host syncs."""
     T, N, _ = index_q_TNC.shape

@@ -218,8 +218,8 @@ _sparse_attn_tuned = triton.autotune(
 # memory (the deleted v5's bound: L1/TEX 79% busy on those stores and LDSM reads, DRAM 16%; RESULTS.md).
 # Byte j of a row holds values 2j (low nibble) and 2j + 1 (high), block j // 8, so each side is two
 # [SUB, C/2] halves, even and odd, and no register interleave is ever needed.
-# - S^T = K Q^T, keys on the MMA's M side: the decoded K halves are the A operand (registers, as the
-#   indexer's v6), the query's even / odd columns the B operand [C/2, G_P2] (fp16, loaded once).
+# - S^T = K Q^T, keys on the MMA's M side: the decoded K halves are the A operand (registers), the
+#   query's even / odd columns the B operand [C/2, G_P2] (fp16, loaded once).
 #   The block scales are folded into the decoded A in registers (one mul.f16x2 per two values),
 #   not expanded into the query per scale block as the indexer does: that would make the B operand
 #   G_P2 x C/16 = 128 columns wide (8x the MMA work) for G = 16.

@@ -30,7 +30,7 @@ GROUPS = {
         "indexer_selects_like_reference",
         "indexer_scores_match_reference",
         "indexer_batch1_split_context",
-        "indexer_v6_c128_scores_and_selection_match_reference",
+        "indexer_c128_scores_and_selection_match_reference",
     ],
     "attention": [
         "attention_bf16_matches_reference",
@@ -342,23 +342,22 @@ def indexer_batch1_split_context(device):
     return bool(torch.equal(got.cpu(), want)), f"{got.cpu()} vs {want}"
 
 
-def indexer_v6_c128_scores_and_selection_match_reference(device):
-    """NVFP4 keys at head dim 128 (v6: keys on the MMA's M side, queries prescaled by a power of two):
-    block scores equal the fp32 reference's within fp32 summation error for query rows of very
-    different magnitudes (fp16 alone would overflow at 3e4 x 128 dims or flush 1e-6), and selections
-    equal the reference for v6 and the byte-wise v2."""
+def indexer_c128_scores_and_selection_match_reference(device):
+    """NVFP4 keys at head dim 128 (the M3 index head; on CUDA the default "v7" runs the CUDA kernel,
+    elsewhere the tile kernel): block scores equal the fp32 reference's within fp32 summation error for
+    query rows of very different magnitudes (fp16 alone would overflow at 3e4 x 128 dims or flush
+    1e-6), and selections equal the reference for the default and the byte-wise v2. Pages of 64
+    tokens are the smallest v7 takes."""
     from model.kernels.indexer import index_select_blocks_ref
-    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton, v6_applies
+    from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
 
     gen = torch.Generator().manual_seed(11)
-    for page, lens, q_mag in [(16, [70, 33], 1.0), (32, [100, 40], 3e4), (16, [50], 1e-6)]:
+    for page, lens, q_mag in [(64, [170, 33], 1.0), (64, [100, 40], 3e4), (128, [150], 1e-6)]:
         cpu, dev = _index_problem("nvfp4", 128, page, lens, 8, 2, gen, device)
         q = (cpu[0].float() * q_mag).to(torch.bfloat16)
         cpu, dev = (q, *cpu[1:]), (q.to(device), *dev[1:])
         q, ic, table, seq, pos, _ = cpu
-        if not v6_applies(dev[0], dev[1].pages, "nvfp4"):  # else "v6" below would test the tile kernel
-            return False, f"page={page}: the v6 kernel does not apply to these inputs"
-        for variant in ("v2", "v6"):
+        for variant in ("v2", "v7"):
             got = index_block_scores_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5],
                                             variant=variant).cpu()  # fmt: skip
             ok, msg = _scores_close(got, q, ic, table, seq, pos, page)
@@ -366,7 +365,7 @@ def indexer_v6_c128_scores_and_selection_match_reference(device):
                 return False, f"{variant} page={page} q x {q_mag}: {msg}"
         kw = dict(topk=3, local_blocks=1, init_blocks=1)
         want = index_select_blocks_ref(*cpu, **kw)
-        for variant in ("v2", "v6"):
+        for variant in ("v2", "v7"):
             poison = torch.full_like(want, -7).to(device)
             got = index_select_blocks_triton(dev[0], dev[1].pages, "nvfp4", dev[1].scale, *dev[2:5], **kw,
                                              out_TNK=poison, variant=variant)  # fmt: skip

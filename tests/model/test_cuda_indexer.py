@@ -3,11 +3,11 @@
 CPU: a torch emulation of each lane's registers (its shared-memory loads of raw 72-byte key rows, the
 kernel's integer decode and byte permutes, the mma.m16n8k16 fragment layouts of the PTX ISA written out
 below, `k_of` and `key_of_row`) reproduces `nvfp4.kv_dequantize` exactly (every E2M1 code; e4m3 zero,
-subnormal and 448 scales) and the query exactly; the emulated MMAs give the keys' dot products; the
-emulated warp loop (splits, chunks, causal mask, block max) gives `block_scores_ref` and, through
-`select_blocks`, `index_select_blocks_ref`'s selections. GPU (-m gpu): v7 scores and selections
-against the reference and v6 at B in {1, 4, 64}, short and long contexts, ragged lengths, -1 padded
-block tables, 3 / 4 / 8 heads, pages of 64 and 128; CUDA-graph capture and replay; determinism.
+subnormal and 448 scales) and the query exactly; the emulated MMAs give the keys' dot products; the emulated
+warp loop (splits, chunks, causal mask, block max) gives `block_scores_ref` and, through `select_blocks`,
+`index_select_blocks_ref`'s selections. GPU (-m gpu): v7 scores and selections against the reference and the
+byte-wise tile kernel (v2) at B in {1, 4, 64}, short and long contexts, ragged lengths, -1 padded block
+tables, 3 / 4 / 8 heads, pages of 64 and 128; CUDA-graph capture and replay; determinism.
 
 PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID_in_group (g, t):
   A a_i (i = 0..7, two per .b32 register, a_{2n} in the low half of register n):
@@ -348,11 +348,21 @@ def test_v7_does_not_apply_on_cpu_and_the_cuda_entry_rejects_it():
         index_block_scores_cuda(q, pages, torch.tensor(1.0), table, seq, pos)
 
 
-def test_v7_variant_falls_back_to_v6_off_cuda():
+def test_v7_is_the_default_variant():
+    """The engine calls the indexer without a variant: v7 must be what it gets (off CUDA, and for
+    shapes v7 does not take, the tile kernel: kernel_cases' "indexer" group checks that path)."""
     pytest.importorskip("triton")
-    from model.kernels.triton_indexer import DecodeVariant
+    import inspect
 
-    assert "v7" in DecodeVariant.__args__
+    from model.kernels.triton_indexer import (
+        DecodeVariant,
+        index_block_scores_triton,
+        index_select_blocks_triton,
+    )
+
+    assert DecodeVariant.__args__[0] == "v7"
+    for fn in (index_block_scores_triton, index_select_blocks_triton):
+        assert inspect.signature(fn).parameters["variant"].default == "v7"
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -379,7 +389,7 @@ def _gpu_case(B, ctx, page, N, seed, ragged=True, special=True):
 @pytest.mark.parametrize("N,page", [(4, 128), (3, 64), (8, 128)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
+def test_v7_scores_and_selections_match_the_reference_and_v2(B, ctx, N, page):
     from model.kernels.triton_indexer import index_block_scores_triton, index_select_blocks_triton
 
     q, pages, table, seq, pos, lens = _gpu_case(B, ctx, page, N, seed=B * 7 + ctx + N)
@@ -394,9 +404,9 @@ def test_v7_scores_and_selections_match_the_reference_and_v6(B, ctx, N, page):
     norm = want[cand].abs().max().item()
     err = (got[cand] - want[cand]).abs().max().item()
     assert err <= TOL * norm, f"vs reference: max err {err} > {TOL} x {norm}"
-    v6 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v6")
-    err = (got[cand] - v6[cand]).abs().max().item()
-    assert err <= TOL * norm, f"vs v6: max err {err} > {TOL} x {norm}"
+    v2 = index_block_scores_triton(q, pages, "nvfp4", scale, table, seq, pos, variant="v2")
+    err = (got[cand] - v2[cand]).abs().max().item()
+    assert err <= TOL * norm, f"vs v2: max err {err} > {TOL} x {norm}"
     kw = dict(topk=16, local_blocks=1, init_blocks=0)
     sel7 = index_select_blocks_triton(q, pages, "nvfp4", scale, table, seq, pos, **kw, variant="v7")
     ref = select_blocks(want, (pos // page)[:, None], **kw)

@@ -47,9 +47,8 @@ def test_every_decode_autotuner_skips_configs_that_fail_to_compile():
     from model.kernels import triton_gemv, triton_indexer, triton_moe, triton_sparse_attention
     from model.kernels.triton_common import safe_do_bench
 
-    tuners = [triton_indexer._index_scores_tuned, triton_indexer._index_scores_v6_tuned,
-              triton_sparse_attention._sparse_attn_tuned, triton_gemv._w4a16_gemv_tuned,
-              triton_moe._nvfp4_moe_tuned]  # fmt: skip
+    tuners = [triton_indexer._index_scores_tuned, triton_sparse_attention._sparse_attn_tuned,
+              triton_gemv._w4a16_gemv_tuned, triton_moe._nvfp4_moe_tuned]  # fmt: skip
     assert all(t._do_bench is safe_do_bench for t in tuners)
 
 
@@ -67,14 +66,15 @@ def test_decode_autotuners_key_on_size_classes_not_exact_batch_sizes():
     assert tune_class(3, 64) != tune_class(64, 3) and tune_class(0) == 0
 
 
-@pytest.mark.parametrize("variant", ["v3", "v4", "v5"])
+@pytest.mark.parametrize("variant", ["v3", "v4", "v5", "v6"])
 def test_indexer_deleted_variant_raises_naming_the_valid_ones(variant):
-    """v3, v4 and v5 were deleted (measured slower than v6 / level with v3): naming one is an error."""
+    """v3-v6 were deleted (each measured slower than its successor, v6 than the CUDA v7): naming one is
+    an error that lists the valid ones."""
     from model.kernels.triton_indexer import index_block_scores_triton
 
     q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
     pages = torch.zeros(2, 16, 72, dtype=torch.uint8)
     table, seq = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     pos = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"'v6', 'v2'"):
+    with pytest.raises(ValueError, match=r"'v7', 'v2'"):
         index_block_scores_triton(q, pages, "nvfp4", torch.tensor(1.0), table, seq, pos, variant=variant)
