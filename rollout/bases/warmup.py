@@ -167,6 +167,7 @@ def build_quickstart_base(
     eval_every: int = 100,
     batch_size: int = 64,
     lr: float = 3e-3,
+    lr_warmup: int = 0,
     seed: int = 0,
     num_train: int = 4096,
     num_eval: int = 128,
@@ -194,16 +195,22 @@ def build_quickstart_base(
     evals = arithmetic_dataset(num_eval, seed=0, max_operand=max_operand, split="eval")
     examples = [answer_example(tok, p) for p in train]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # Linear learning-rate warm-up over the first `lr_warmup` steps (0: the full rate from step 1).
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, lr_warmup)))
     gen = torch.Generator().manual_seed(seed)
     t0, acc, step = time.perf_counter(), 0.0, 0
     for step in range(1, max_steps + 1):
         loss = sft_step(model, opt, examples, sft_batch, gen, batch_size, device)
+        sched.step()
         if step % eval_every == 0:
             # Judge the model the RL run will get: experts in NVFP4, KV in NVFP4. A model this
             # small can lose all its accuracy to the two roundings together, so the float model's
             # accuracy says little.
             acc = greedy_accuracy(quantized_copy(model, base_cfg), evals)
-            log(f"warm-up step {step}: loss {loss.item():.3f}, held-out greedy accuracy (NVFP4) {acc:.3f}")
+            log(
+                f"warm-up step {step} ({time.perf_counter() - t0:.0f}s): loss {loss.item():.3f}, "
+                f"held-out greedy accuracy (NVFP4) {acc:.3f}"
+            )
             if acc >= target_acc:
                 break
     # Quantize the routed experts exactly as the RL run will hold them: save float, convert.
@@ -241,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", help="model preset (tiny: the quickstart; small: GPU recipes)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=100)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     build_quickstart_base(args.out, target_acc=args.target_acc, max_steps=args.max_steps, seed=args.seed,
-                          preset=args.preset, device=args.device, lr=args.lr)  # fmt: skip
+                          preset=args.preset, device=args.device, lr=args.lr, lr_warmup=args.lr_warmup,
+                          batch_size=args.batch_size, eval_every=args.eval_every)  # fmt: skip
     return 0
 
 
