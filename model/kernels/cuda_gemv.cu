@@ -8,8 +8,12 @@
 // the y-th K range. Its 4 warps take interleaved 64-input chunks of the range (warp w: chunks w,
 // w + 4, ...; the CTA reads 128 contiguous bytes of each row per round) and each keeps all MT tiles
 // and NT n-tiles of 8 x rows in registers; the warps' fp32 tiles are summed in shared memory in warp
-// order, the K splits through global partials by the CTA that draws its column group's last ticket,
-// in split order (deterministic; every counter is back at 0 when the launch ends).
+// order, then the K splits in split order (deterministic either way), by one of two reductions:
+//   ticket  (CLUSTER = false): global partials, summed by the CTA that draws its column group's last
+//           ticket (every counter is back at 0 when the launch ends);
+//   cluster (CLUSTER = true): the splits of a column group are one thread-block cluster (1, split, 1);
+//           rank 0 reads the others' sums from their shared memory (DSMEM) after a cluster barrier.
+//           No global round trips at the end (a fence, an atomic and a reload in the ticket path).
 //
 // Loads: each warp streams its chunks through its own ring of STAGES shared-memory stages with
 // cp.async (16-byte copies of codes and x, 4-byte copies of scale words), STAGES - 1 chunks in flight
@@ -38,6 +42,7 @@
 // -cubin -Xptxas -v -I model/kernels -x cu model/kernels/cuda_gemv.cu -o /tmp/gemv.cubin (registers and
 // spills per NT in model/kernels/cuda_gemv.py).
 
+#include <cooperative_groups.h>
 #include <stdint.h>
 
 #include "cuda_nvfp4.cuh"
@@ -187,7 +192,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* st, int g, int t, u
   }
 }
 
-template <int NT>
+template <int NT, bool CLUSTER>
 __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(const Params p) {
   using S = Shape<NT>;
   constexpr int STAGES = S::STAGES, NV = S::NV;
@@ -270,7 +275,31 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
 #pragma unroll
   for (int i = 0; i < NV; ++i) valid[i] = 8 * (i >> 2) + 2 * t + (i & 1) < p.m;
 
-  if (p.split > 1) {
+  if constexpr (CLUSTER) {
+    // The cluster is this column group's splits (rank = blockIdx.y): each CTA leaves its sums in its
+    // shared memory; rank 0 adds them in rank order and stores; the second barrier keeps every CTA's
+    // shared memory alive until rank 0 has read it.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    __syncthreads();  // every thread has read `red`: reuse it for the CTA's sums
+    float* fin = reinterpret_cast<float*>(smem);  // [NV][THREADS]
+#pragma unroll
+    for (int i = 0; i < NV; ++i) fin[i * THREADS + threadIdx.x] = v[i];
+    cluster.sync();
+    const bool is_rank0 = cluster.block_rank() == 0;
+    if (is_rank0) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) v[i] = 0.f;
+      for (int r = 0; r < p.split; ++r) {
+        const float* other = cluster.map_shared_rank(fin, r) + threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < NV; ++i)
+          if (valid[i]) v[i] += other[i * THREADS];
+      }
+    }
+    cluster.sync();
+    if (!is_rank0) return;
+  } else if (p.split > 1) {
     // Serial split-K: partials at [split, group, NV, THREADS] (valid rows only); the CTA drawing the
     // group's last ticket sums all of them in split order (threadfence-reduction pattern) and resets
     // the counter for the next launch.
@@ -317,36 +346,88 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
 }  // namespace cuda_gemv
 
 #ifdef CUDA_GEMV_STANDALONE
-template __global__ void cuda_gemv::gemv_kernel<1>(const cuda_gemv::Params);
-template __global__ void cuda_gemv::gemv_kernel<2>(const cuda_gemv::Params);
-template __global__ void cuda_gemv::gemv_kernel<4>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<1, false>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<2, false>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<4, false>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<1, true>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<2, true>(const cuda_gemv::Params);
+template __global__ void cuda_gemv::gemv_kernel<4, true>(const cuda_gemv::Params);
 #else
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-template <int NT>
-static void launch_nt(const cuda_gemv::Params& p, int dev, cudaStream_t stream) {
-  using S = cuda_gemv::Shape<NT>;
+namespace cuda_gemv {
+
+constexpr int MAX_CLUSTER = 8;  // the portable thread-block cluster size
+
+template <int NT, bool CLUSTER>
+void set_attributes(int dev) {
   static bool attr_set[64] = {};  // per device: opt in to > 48 KB of dynamic shared memory
-  if (dev >= 64 || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cuda_gemv::gemv_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        S::SMEM));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cuda_gemv::gemv_kernel<NT>,
-                                        cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        cudaSharedmemCarveoutMaxShared));
-    if (dev < 64) attr_set[dev] = true;
-  }
-  const dim3 grid(static_cast<unsigned>(p.n_out / (16 * cuda_gemv::MT)), static_cast<unsigned>(p.split));
-  cuda_gemv::gemv_kernel<NT><<<grid, cuda_gemv::THREADS, S::SMEM, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (dev < 64 && attr_set[dev]) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<NT, CLUSTER>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      Shape<NT>::SMEM));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<NT, CLUSTER>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  if (dev < 64) attr_set[dev] = true;
 }
 
-// Host launcher (load_inline binds it): one launch for m <= 32 rows. Shapes, dtypes, contiguity and
-// alignment are checked by the Python wrapper (model/kernels/cuda_gemv.py).
-void gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor sc2, torch::Tensor out,
-                 torch::Tensor part, torch::Tensor counters, int64_t split) {
+// The cluster launch's configuration; `fits` (asked once per device, n-tiles and split: the answer
+// depends on how the SMs fall into GPCs) whether every cluster of the grid is resident at once, as a
+// ticket launch's one wave is. Where not, the caller takes the ticket path (same sums, same order).
+template <int NT>
+bool cluster_fits(const cudaLaunchConfig_t& cfg, int dev, int split, int groups) {
+  static int max_clusters[64][MAX_CLUSTER + 1] = {};  // 0: not asked yet
+  int n = dev < 64 ? max_clusters[dev][split] : 0;
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, gemv_kernel<NT, true>, &cfg));
+    if (dev < 64) max_clusters[dev][split] = n > 0 ? n : -1;
+  }
+  return n >= groups;
+}
+
+}  // namespace cuda_gemv
+
+// One launch. With want_cluster: the cluster reduction at the largest split <= p.split whose clusters
+// are all resident at once (a GPC holds whole clusters only); returns that split, or 0 where none fits
+// (split 1, or no such split) and the ticket path ran with p.split.
+template <int NT>
+static int launch_nt(cuda_gemv::Params p, bool want_cluster, int dev, cudaStream_t stream) {
+  using namespace cuda_gemv;
+  const unsigned groups = static_cast<unsigned>(p.n_out / (16 * MT));
+  for (int split = min(p.split, MAX_CLUSTER); want_cluster && split > 1; --split) {
+    set_attributes<NT, true>(dev);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(split);
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(groups, static_cast<unsigned>(split));
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = Shape<NT>::SMEM;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cluster_fits<NT>(cfg, dev, split, static_cast<int>(groups))) {
+      p.split = split;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gemv_kernel<NT, true>, p));
+      return split;
+    }
+  }
+  set_attributes<NT, false>(dev);
+  gemv_kernel<NT, false><<<dim3(groups, static_cast<unsigned>(p.split)), THREADS, Shape<NT>::SMEM, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return 0;
+}
+
+// Host launcher (load_inline binds it): one launch for m <= 32 rows; cluster: reduce the K splits in
+// thread-block clusters where they fit (see launch_nt), else by tickets. Returns the cluster split, or
+// 0 (ticket path or one split). Shapes, dtypes, contiguity and alignment are checked by the Python
+// wrapper (model/kernels/cuda_gemv.py).
+int64_t gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor sc2, torch::Tensor out,
+                 torch::Tensor part, torch::Tensor counters, int64_t split, bool cluster) {
   const c10::cuda::CUDAGuard device_guard(x.device());
   cuda_gemv::Params p;
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -367,12 +448,8 @@ void gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tenso
                                                   : cuda_gemv::OUT_F32;
   const int dev = x.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (p.m <= 8) {
-    launch_nt<1>(p, dev, stream);
-  } else if (p.m <= 16) {
-    launch_nt<2>(p, dev, stream);
-  } else {
-    launch_nt<4>(p, dev, stream);
-  }
+  if (p.m <= 8) return launch_nt<1>(p, cluster, dev, stream);
+  if (p.m <= 16) return launch_nt<2>(p, cluster, dev, stream);
+  return launch_nt<4>(p, cluster, dev, stream);
 }
 #endif

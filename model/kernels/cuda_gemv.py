@@ -6,18 +6,21 @@ B per weight, 3.56x fewer bytes than bf16), and the FMA GEMV (Triton v3) reaches
 This is the routed-MoE v7 design (model/kernels/cuda_moe.cu) with one matrix: bf16 mma.m16n8k16 with
 16 output features on M and 8 x rows per n-tile on N (m <= 8: one n-tile, <= 16 two, <= 32 four;
 more rows take several launches), the canonical NVFP4 storage read in place and decoded in
-registers, K split across CTAs. Each warp streams its chunks through a 3- or 4-stage cp.async ring in
-shared memory, so a warp keeps 3 chunks (6.9 KB) in flight from its first instruction: the whole
-6144 x 6144 matrix is 24 chunks per CTA, where a register double buffer would pay one full memory
-latency per chunk. Kernel, fragment map, shared layout and decode: model/kernels/cuda_gemv.cu.
+registers, K split across CTAs. Each warp streams its chunks through a 3- or 4-stage cp.async ring
+in shared memory, so it keeps 3 chunks (6.9 KB) in flight from its first instruction (6144 x 6144 is
+24 chunks per CTA: a register double buffer would pay one memory latency per chunk). The splits are
+summed in split order through global partials and ticket counters (`reduce="ticket"`, the default)
+or inside a thread-block cluster from the other CTAs' shared memory (`reduce="cluster"`: no fence /
+atomic / reload chain at the kernel's end). Kernel, fragment map, layouts: model/kernels/cuda_gemv.cu.
 
 Invariants: no host sync; CUDA-graph safe after a warm-up call (the extension and the split counters
 are made on first use); every launch leaves its split counters at 0; K splits summed in split order
-and warps in warp order (deterministic; the split depends on the shape and on m only through the
-n-tile count, so for m <= 16 a row's result does not depend on m). The decoded weight e2m1 * s * 2^-7
-is exact in bf16 and every product with x exact in fp32: the result is the exact-weight product up to
-fp32 accumulation and one rounding to out_dtype, where `nvfp4_linear_ref` rounds the weights to bf16
-first (< 2^-8 relative per weight). Imported on CPU (tests emulate the lanes); compiled only on CUDA.
+and warps in warp order (deterministic; both reductions give the same bits for the same split; the
+split depends on the shape and on m only through the n-tile count, so for m <= 16 a row's result
+does not depend on m). The decoded weight e2m1 * s * 2^-7 is exact in bf16 and every product with x
+exact in fp32: the result is the exact-weight product up to fp32 accumulation and one rounding to
+out_dtype, where `nvfp4_linear_ref` rounds the weights to bf16 first (< 2^-8 relative per weight).
+Imported on CPU (tests emulate the lanes); compiled only on CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from typing import Literal
 
 import torch
 
@@ -37,6 +41,14 @@ CHUNK_K = 64  # inputs per warp step (4 NVFP4 blocks): K must be a multiple
 WARPS = 4  # K-interleaved warps per CTA
 ROWS_PER_LAUNCH = 32  # the kernel's largest n-tile count (4) times 8
 MAX_SPLIT_K = 16
+MAX_CLUSTER = 8  # the portable thread-block cluster size: the cluster reduction's largest split
+SplitReduce = Literal["ticket", "cluster"]
+"""How K splits are summed: "ticket" global partials + counters (any split), "cluster" one thread-block
+cluster per column group, partials read from the other CTAs' shared memory: at the largest split <=
+MAX_CLUSTER whose clusters are all resident at once (asked of the driver once per device and shape
+class; a GPC holds whole clusters only), the ticket path where none is."""
+DEFAULT_REDUCE: SplitReduce = "ticket"
+_last_reduction = ["none"]  # the latest launch's: "none" (one split), "ticket <split>" or "cluster <split>"
 MIN_CHUNKS_PER_WARP = 2  # a split hands each warp at least this many chunks where K allows
 
 
@@ -51,16 +63,23 @@ def ctas_per_sm(m: int) -> int:
     return 3 if n_tiles(m) <= 2 else 2
 
 
-def split_k(n_out: int, n_in: int, m: int, n_sms: int) -> int:
+def split_k(n_out: int, n_in: int, m: int, n_sms: int, max_split: int = MAX_SPLIT_K) -> int:
     """K splits from shapes only (no sync): the most that keep the grid within one wave of resident
     CTAs (the wave is the whole kernel: a second one would start after the first finished its
     loads), and at least MIN_CHUNKS_PER_WARP chunks per warp. 6144 x 6144 on 132 SMs, m <= 16: 96
     column groups x 4 splits = 384 CTAs on 396 slots (2.9 per SM: every SM streams; 5 splits would
     exceed a wave), 24 chunks per CTA = 6 per warp, 3 of them in flight from the start. 2048 x 6144
-    (N x K): 32 groups x 12 splits (8 chunks each); 6144 x 2048: 96 x 4 (2 chunks per warp)."""
+    (N x K): 32 groups x 12 splits (8 chunks each; 8 for the cluster reduction); 6144 x 2048: 96 x 4
+    (2 chunks per warp)."""
     groups = n_out // TILE_N
     wave = ctas_per_sm(m) * n_sms
-    return max(1, min(wave // max(groups, 1), MAX_SPLIT_K, n_in // CHUNK_K // (WARPS * MIN_CHUNKS_PER_WARP)))
+    return max(1, min(wave // max(groups, 1), max_split, n_in // CHUNK_K // (WARPS * MIN_CHUNKS_PER_WARP)))
+
+
+def last_reduction() -> str:
+    """The split reduction the latest `nvfp4_gemv_cuda` launch ran: "none" (one split), "ticket S" or
+    "cluster S" for S splits (diagnostics: the self-check and tests report it)."""
+    return _last_reduction[0]
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -70,8 +89,8 @@ def _extension(capability: tuple[int, int]):
     if capability < (8, 9):
         raise RuntimeError(f"nvfp4_gemv_cuda needs sm_89+ (cvt e4m3x2 -> f16x2), got {capability}")
     decl = (
-        "void gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor sc2, "
-        "torch::Tensor out, torch::Tensor part, torch::Tensor counters, int64_t split);"
+        "int64_t gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor sc2, "
+        "torch::Tensor out, torch::Tensor part, torch::Tensor counters, int64_t split, bool cluster);"
     )
     return load_kernels("cuda_gemv", decl, ("gemv_launch",), capability)
 
@@ -131,11 +150,15 @@ def _check(x_MK, packed_NK2, scales_NK16, scale_2, out_dtype) -> None:
 def nvfp4_gemv_cuda(
     x_MK: torch.Tensor, packed_NK2: torch.Tensor, scales_NK16: torch.Tensor, scale_2: torch.Tensor,
     out_dtype: torch.dtype | None = None, *, out_MN: torch.Tensor | None = None,
+    reduce: SplitReduce = DEFAULT_REDUCE,
 ) -> torch.Tensor:  # fmt: skip
     """y [m, N] = x [m, K] @ dequant(W).T in `out_dtype` (default bf16; fp16 and fp32 too: one rounding
     of the fp32 sum) for bf16 x on CUDA; W read in place (packed uint8 [N, K/2] and scales e4m3
     [N, K/16] contiguous, 16- / 4-byte aligned; K, N multiples of 64). out_MN: an [m, N] tensor of
-    out_dtype with unit last stride to write into (graph capture into a static buffer). No host sync."""
+    out_dtype with unit last stride to write into (graph capture into a static buffer). reduce: how the
+    K splits are summed (`SplitReduce`). No host sync."""
+    if reduce not in SplitReduce.__args__:
+        raise ValueError(f"nvfp4_gemv_cuda: reduce must be one of {SplitReduce.__args__}, got {reduce!r}")
     out_dtype = out_dtype or (out_MN.dtype if out_MN is not None else torch.bfloat16)
     _check(x_MK, packed_NK2, scales_NK16, scale_2, out_dtype)
     M, N = x_MK.shape[0], packed_NK2.shape[0]
@@ -155,13 +178,16 @@ def nvfp4_gemv_cuda(
     scale_bytes, sc2 = scales_NK16.view(torch.uint8), scale_2.reshape(1)
     groups = N // TILE_N
     counters = split_counters(x_MK.device, groups)
+    cluster = reduce == "cluster"
     for r0 in range(0, M, ROWS_PER_LAUNCH):  # m > 32: one launch per 32 rows (each reads W again)
         m = min(ROWS_PER_LAUNCH, M - r0)
-        split = split_k(N, 2 * packed_NK2.shape[1], m, n_sms)
+        split = split_k(N, 2 * packed_NK2.shape[1], m, n_sms, MAX_CLUSTER if cluster else MAX_SPLIT_K)
         n_part = split * groups * 4 * n_tiles(m) * 32 * WARPS if split > 1 else 1
         part = torch.empty((n_part,), dtype=torch.float32, device=x_MK.device)
-        ext.gemv_launch(x_MK[r0 : r0 + m], packed_NK2, scale_bytes, sc2, out_MN[r0 : r0 + m], part, counters,
-                        split)  # fmt: skip
+        rows = slice(r0, r0 + m)
+        c_split = ext.gemv_launch(x_MK[rows], packed_NK2, scale_bytes, sc2, out_MN[rows], part, counters,
+                                  split, cluster)  # fmt: skip
+        _last_reduction[0] = f"cluster {c_split}" if c_split else f"ticket {split}" if split > 1 else "none"
     return out_MN
 
 
@@ -187,10 +213,12 @@ def _rotated_us(call, operands: list, reps: int) -> float:
 
 
 def _selftest(shapes: list[tuple[int, int]], rows: list[int], copies: int, reps: int) -> list[dict]:
-    """Compile, check against `nvfp4_linear_ref` and the exact fp64 product, time v7 and torch bf16
-    F.linear (weights of the same shape) over `copies` rotated weight sets, and v3 (Triton) where
-    it is importable. Errors are max |got - other| / max |exact|: ~2^-9 (bf16 output rounding) vs the
-    exact product, a few times that vs the reference (its bf16 weights)."""
+    """Compile, check against `nvfp4_linear_ref` and the exact fp64 product, time v7 (ticket and
+    cluster reductions; `cluster_equal`: the same bits where the splits agree, `cluster_ran`: whether
+    the clusters fitted) and torch bf16 F.linear (weights of the same shape) over `copies` rotated
+    weight sets, and v3 (Triton) where it is importable. Errors are max |got - other| / max |exact|:
+    ~2^-9 (bf16 output rounding) vs the exact product, a few times that vs the reference (its bf16
+    weights)."""
     import torch.nn.functional as F
 
     from model import nvfp4
@@ -212,11 +240,17 @@ def _selftest(shapes: list[tuple[int, int]], rows: list[int], copies: int, reps:
             exact = x.double() @ dq.T
             scale = exact.abs().max().item()
             got = nvfp4_gemv_cuda(x, *ws[0]).double()
+            ticket_ran = last_reduction()
             row = dict(N=N, K=K, m=m, split=split_k(N, K, min(m, ROWS_PER_LAUNCH), _sm_count(dev.index)))
             row["err_vs_exact"] = (got - exact).abs().max().item() / scale
             row["err_vs_ref"] = (got - nvfp4_linear_ref(x, *ws[0]).double()).abs().max().item() / scale
             row["deterministic"] = bool(torch.equal(nvfp4_gemv_cuda(x, *ws[0]), nvfp4_gemv_cuda(x, *ws[0])))
             row["v7_us"] = _rotated_us(functools.partial(nvfp4_gemv_cuda, x), ws, reps)
+            cluster = functools.partial(nvfp4_gemv_cuda, x, reduce="cluster")
+            by_cluster = cluster(*ws[0])
+            row["ticket_ran"], row["cluster_ran"] = ticket_ran, last_reduction()
+            row["cluster_equal"] = bool(torch.equal(by_cluster, nvfp4_gemv_cuda(x, *ws[0])))
+            row["v7_cluster_us"] = _rotated_us(cluster, ws, reps)
             row["bf16_us"] = _rotated_us(functools.partial(F.linear, x), [(w,) for w in w_bf16], reps)
             if nvfp4_linear_triton is not None and m <= 16:
                 row["v3_us"] = _rotated_us(functools.partial(nvfp4_linear_triton, x), ws, reps)
@@ -240,12 +274,13 @@ def main() -> None:
     shapes = [(6144, 6144)] if args.quick else [(6144, 6144), (2048, 6144), (6144, 2048)]
     rows = _selftest(shapes, args.rows, args.copies, args.reps)
     print(f"{'N':>5} {'K':>5} {'m':>3} {'split':>5} {'err exact':>9} {'err ref':>9} {'v7 us':>7} "
-          f"{'v3 us':>7} {'bf16 us':>7} {'v7/bf16':>7} {'v7 TB/s':>7} {'of 4.17':>7}")  # fmt: skip
+          f"{'cluster':>7} {'v3 us':>7} {'bf16 us':>7} {'v7/bf16':>7} {'v7 TB/s':>7} "
+          f"{'of 4.17':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['N']:5d} {r['K']:5d} {r['m']:3d} {r['split']:5d} {r['err_vs_exact']:9.2e} "
-              f"{r['err_vs_ref']:9.2e} {r['v7_us']:7.2f} {r.get('v3_us', float('nan')):7.2f} "
-              f"{r['bf16_us']:7.2f} {r['v7_vs_bf16']:7.2f} {r['v7_tb_s']:7.3f} "
-              f"{r['v7_share_of_4.17']:7.0%}")  # fmt: skip
+              f"{r['err_vs_ref']:9.2e} {r['v7_us']:7.2f} {r['v7_cluster_us']:7.2f} "
+              f"{r.get('v3_us', float('nan')):7.2f} {r['bf16_us']:7.2f} {r['v7_vs_bf16']:7.2f} "
+              f"{r['v7_tb_s']:7.3f} {r['v7_share_of_4.17']:7.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,7 +21,15 @@ import pytest
 import torch
 
 from model import nvfp4
-from model.kernels.cuda_gemv import WARPS, gemv_supported, n_tiles, nvfp4_gemv_cuda, random_nvfp4, split_k
+from model.kernels.cuda_gemv import (
+    WARPS,
+    gemv_supported,
+    last_reduction,
+    n_tiles,
+    nvfp4_gemv_cuda,
+    random_nvfp4,
+    split_k,
+)
 from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
 
 # Mirrors of cuda_gemv.cu: a stage is codes [MT][16 rows][32 B], scales [64 rows][4 B], x [NT][8][128 B].
@@ -360,6 +368,8 @@ def test_cpu_tensors_are_rejected_and_not_supported():
     assert not gemv_supported(x, packed, scales)
     with pytest.raises(ValueError, match="CUDA bf16"):
         nvfp4_gemv_cuda(x, packed, scales, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        nvfp4_gemv_cuda(x, packed, scales, torch.tensor(1.0), reduce="atomic")
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -373,7 +383,7 @@ def accumulation_bound(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     return (x.shape[1] / 8 + 32) * 2.0**-23 * a + 1e-30
 
 
-def _check_gemv(x, w, label, out_dtype=torch.bfloat16):
+def _check_gemv(x, w, label, out_dtype=torch.bfloat16, reduce="ticket"):
     """Poisoned outputs all written; split counters back at 0; fp32 output within
     `accumulation_bound` of the exact product; the out_dtype output is exactly that fp32 sum rounded
     once (same shape, same split: the same sums); vs `nvfp4_linear_ref` (bf16 weights, bf16 matmul) at
@@ -385,7 +395,7 @@ def _check_gemv(x, w, label, out_dtype=torch.bfloat16):
     outs = {}
     for dtype in {torch.float32, out_dtype}:
         out = torch.full((x.shape[0], w[0].shape[0]), float("nan"), dtype=dtype, device=x.device)
-        outs[dtype] = nvfp4_gemv_cuda(x, *w, dtype, out_MN=out)
+        outs[dtype] = nvfp4_gemv_cuda(x, *w, dtype, out_MN=out, reduce=reduce)
         assert torch.isfinite(out).all(), f"{label}: {int((~torch.isfinite(out)).sum())} outputs not written"
         assert int(split_counters(x.device, 1).abs().sum()) == 0, f"{label}: split counters not back at 0"
     got32, got = outs[torch.float32], outs[out_dtype]
@@ -442,37 +452,60 @@ def test_strided_and_unaligned_x_equal_the_contiguous_result():
     assert torch.equal(nvfp4_gemv_cuda(base[:, 1:513], *w), nvfp4_gemv_cuda(base[:, 1:513].contiguous(), *w))
 
 
+@pytest.mark.parametrize("reduce", ["ticket", "cluster"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rows_do_not_depend_on_m_and_calls_are_deterministic():
+def test_rows_do_not_depend_on_m_and_calls_are_deterministic(reduce):
     """m <= 16 uses one split for the shape and each MMA column is its own dot product: row r of an
     m-row call equals the one-row call of that row, bit for bit; repeated calls are equal."""
     w = random_nvfp4(6144, 6144, "cuda", seed=7)
     x = _x(16, 6144, 8)
-    full = nvfp4_gemv_cuda(x, *w)
-    assert torch.equal(nvfp4_gemv_cuda(x, *w), full), "two calls differ"
+    full = nvfp4_gemv_cuda(x, *w, reduce=reduce)
+    assert torch.equal(nvfp4_gemv_cuda(x, *w, reduce=reduce), full), "two calls differ"
     for m in (1, 3, 9, 13):
-        assert torch.equal(nvfp4_gemv_cuda(x[:m], *w), full[:m]), f"m={m} rows differ from m=16"
+        assert torch.equal(nvfp4_gemv_cuda(x[:m], *w, reduce=reduce), full[:m]), (
+            f"m={m} rows differ from m=16"
+        )
 
 
+@pytest.mark.parametrize("N, K", [(6144, 6144), (6144, 2048), (2048, 6144), (128, 2048)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graph_replay_equals_eager_and_leaves_counters_at_zero():
+def test_cluster_reduction_matches_and_equals_tickets_at_the_same_split(N, K):
+    """The cluster path sums the same partials in the same order as the ticket path: at the same split
+    the bits are equal (where the clusters fit; else the launch took the ticket path itself)."""
+    w = random_nvfp4(N, K, "cuda", seed=17)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (1, 13):
+        x = _x(m, K, 18 + m)
+        got = _check_gemv(x, w, f"cluster {N}x{K} m={m}", reduce="cluster")
+        ran = last_reduction()
+        assert ran == "none" or ran.split()[0] in ("cluster", "ticket"), ran
+        if ran == f"cluster {split_k(N, K, m, n_sms)}":
+            assert torch.equal(got, nvfp4_gemv_cuda(x, *w).double()), f"m={m}: cluster and ticket sums differ"
+
+
+@pytest.mark.parametrize("reduce", ["ticket", "cluster"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_and_leaves_counters_at_zero(reduce):
     from model.kernels.triton_gemv import split_counters
 
     w = random_nvfp4(6144, 6144, "cuda", seed=9)
-    for m in (1, 13):
+    for m in (1, 13, 40):
         x = _x(m, 6144, 10 + m)
-        nvfp4_gemv_cuda(x, *w)  # warm-up: compile, counters
+        nvfp4_gemv_cuda(x, *w, reduce=reduce)  # warm-up: compile, counters, cluster occupancy
         out = torch.empty(m, 6144, dtype=torch.bfloat16, device="cuda")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            nvfp4_gemv_cuda(x, *w, out_MN=out)
+            nvfp4_gemv_cuda(x, *w, out_MN=out, reduce=reduce)
         x.copy_(_x(m, 6144, 20 + m))
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, nvfp4_gemv_cuda(x, *w)), f"m={m}: graph replay differs from eager"
+        assert torch.equal(out, nvfp4_gemv_cuda(x, *w, reduce=reduce)), (
+            f"m={m}: graph replay differs from eager"
+        )
         assert int(split_counters(x.device, 1).abs().sum()) == 0
 
 
