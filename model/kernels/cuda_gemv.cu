@@ -247,7 +247,9 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
   for (int i = 0; i < n_mine; ++i) {
     cp_wait<STAGES - 2>();  // this lane's copies of chunk i are in shared memory
     __syncwarp();           // ... every lane's; and every lane is done reading stage wr (chunk i - 1)
-    if (i + STAGES - 1 < n_mine) issue_chunk<NT>(cp, c_first + WARPS * (i + STAGES - 1), ring_s + wr * S::STAGE, lane, policy);
+    if (i + STAGES - 1 < n_mine) {
+      issue_chunk<NT>(cp, c_first + WARPS * (i + STAGES - 1), ring_s + wr * S::STAGE, lane, policy);
+    }
     cp_commit();
     compute_chunk<NT>(ring + rd * S::STAGE, g, t, cp.x_dst[0], cp.x_dst[1], sel, acc);
     rd = rd + 1 == STAGES ? 0 : rd + 1;
