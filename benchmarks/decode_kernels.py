@@ -8,7 +8,7 @@ M3.1-Flash's (`ModelConfig.preset("m3.1-flash")`), batch 1 and 64, contexts 32K 
 
 Usage: python benchmarks/decode_kernels.py --device cuda --json OUT.jsonl [--quick] [--only indexer attention]
        [--variants v2 v7]   (MoE: --only moe --variants v2 v7, the CUDA v7 vs the v2 tile kernel;
-       attention v2 vs v6 vs FP8: --only attention --variants v2 v6)
+       attention v2 vs v6 vs FP8: --only attention --variants v2 v6; GEMV: --only gemv --variants v3 v7)
 """
 
 # ruff: noqa: B023 -- the timed lambdas run inside the loop iteration that defines them.
@@ -61,7 +61,7 @@ ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v7"),
     "attention": ("v2", "v6"),
-    "gemv": ("v2", "v3"),
+    "gemv": ("v2", "v3", "v7"),
     "moe": ("v2", "v7"),
 }
 OP_DEFAULTS = {"indexer": ("v7",), "attention": ("v6",), "gemv": ("v3",), "moe": ("v2", "v7")}
@@ -306,15 +306,39 @@ def random_nvfp4(E: int, n_out: int, n_in: int, device) -> tuple:
     return packed, scales, torch.full((E,), 1e-3, device=device)
 
 
+def gemv_fn(variant: str):
+    """The GEMV entry of a version: (x, packed, scales, scale_2) -> bf16 y. v7 is the CUDA kernel of
+    model/kernels/cuda_gemv.py; v2 / v3 the Triton launches of nvfp4_linear_triton."""
+    if variant == "v7":
+        from model.kernels.cuda_gemv import nvfp4_gemv_cuda
+
+        return nvfp4_gemv_cuda
+    return lambda x, packed, scales, sc2: nvfp4_linear_triton(x, packed, scales, sc2, variant=variant)
+
+
+def gemv_config(variant: str, m: int, D: int, device) -> tuple[str, str]:
+    """(kernel family, launch configuration) of a version at m rows, for the JSON rows."""
+    if variant == "v7":
+        from model.kernels.cuda_gemv import n_tiles, split_k
+
+        n_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return "cuda mma split-K", f"n_tiles={n_tiles(min(m, 32))} split={split_k(D, D, min(m, 32), n_sms)}"
+    from model.kernels.triton_gemv import _w4a16_gemv_tuned
+
+    is_fma = variant != "v2" and m <= GEMV_MAX_ROWS
+    tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
+    return ("split-K FMA" if is_fma else "tile"), str(getattr(tuner, "best_config", None))
+
+
 def run_gemv(device, D: int = 6144, R: int = 8, variants=OP_DEFAULTS["gemv"]) -> None:
-    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel) and v2 (tile kernel for every m),
-    vs torch bf16 F.linear, all graph-timed over R rotated weight copies (NVFP4: R x 21 MB, bf16: R x
-    75 MB, so no replay reads its weights from L2), plus the eager (host-launched) times."""
+    """W4A16 GEMV, v3 (split-K FMA for m <= 4, else the tile kernel), v2 (tile kernel for every m) and
+    v7 (the CUDA tensor-core kernel, every m) vs torch bf16 F.linear, all graph-timed over R rotated
+    weight copies (NVFP4: R x 21 MB, bf16: R x 75 MB, so no replay reads its weights from L2), plus
+    the eager (host-launched) times."""
     ws = [tuple(t[0] for t in random_nvfp4(1, D, D, device)) for _ in range(R)]
     packed, scales, sc2 = ws[0]
     w_bf16s = [torch.randn(D, D, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(R)]
     from model.kernels.nvfp4_linear import _NVFP4LinearTiled
-    from model.kernels.triton_gemv import _w4a16_gemv_tuned
 
     for m in (1, 4, 16):
         x = torch.randn(m, D, device=device, dtype=torch.bfloat16)
@@ -327,23 +351,21 @@ def run_gemv(device, D: int = 6144, R: int = 8, variants=OP_DEFAULTS["gemv"]) ->
         record("gemv", shape, "naive torch nvfp4", t_naive, D * D * 9 / 16)
         times = {}
         for variant in variants:
-            got = nvfp4_linear_triton(x, packed, scales, sc2, variant=variant)
+            fn = gemv_fn(variant)
+            got = fn(x, packed, scales, sc2)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            t_eager = bench(lambda: nvfp4_linear_triton(x, packed, scales, sc2, variant=variant))
-            times[variant] = t = bench_graph(
-                lambda: [nvfp4_linear_triton(x, *w, variant=variant) for w in ws], reps=R
-            )
-            is_fma = variant != "v2" and m <= GEMV_MAX_ROWS
-            tuner = _w4a16_gemv_tuned if is_fma else _nvfp4_moe_tuned
+            t_eager = bench(lambda: fn(x, packed, scales, sc2))
+            times[variant] = t = bench_graph(lambda: [fn(x, *w) for w in ws], reps=R)
+            kernel, config = gemv_config(variant, m, D, device)
             record(
                 "gemv",
                 shape,
-                f"triton w4a16 {variant}",
+                f"{'cuda' if variant == 'v7' else 'triton'} w4a16 {variant}",
                 t,
                 D * D * 9 / 16 + 4 * m * D,
                 rel_err=round(err, 4),
-                gemv_kernel="split-K FMA" if is_fma else "tile",
-                config=str(getattr(tuner, "best_config", None)),
+                gemv_kernel=kernel,
+                config=config,
                 eager_us=round(t_eager, 1),
                 speedup_vs_bf16=round(t_bf16 / t, 2),
                 speedup_vs_bf16_eager=round(t_bf16_eager / t_eager, 2),
@@ -465,7 +487,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 64], help="batch sizes")
     ap.add_argument("--variants", nargs="*", default=None, choices=["v2", "v3", "v6", "v7"],
                     help="versions to time side by side, each op taking those it has (indexer v2 v7, "
-                         "attention v2 v6, gemv v2 v3, moe v2 v7; the first named is the baseline of the "
+                         "attention v2 v6, gemv v2 v3 v7, moe v2 v7; the first named is the baseline of the "
                          "ratio rows); default: indexer v7, attention v6, gemv v3, moe v2 v7")  # fmt: skip
     args = ap.parse_args()
     global JSON_PATH

@@ -2,17 +2,20 @@
 
 Why: the frozen base weights stay in NVFP4 in memory, exactly the bytes the engines serve, and the
 learner runs forward and backward through them without materialising the full-precision matrix.
-CUDA inference (bf16 rows <= TRITON_MAX_ROWS, no grad) runs the Triton GEMV of
-`model.kernels.triton_gemv`; everywhere else W is dequantized one tile of TILE_N output rows at a time
-(`model.nvfp4.dequantize`, cast to x's dtype), multiplied and dropped, the backward recomputing the
-same tiles. `nvfp4_linear_ref` is the spec (dequantize all of W, one matmul).
+CUDA inference (bf16 rows, no grad) runs a decode GEMV: variant "v3" (the default) the Triton GEMV of
+`model.kernels.triton_gemv` (rows <= TRITON_MAX_ROWS), opt-in "v7" the tensor-core kernel of
+`model.kernels.cuda_gemv` (rows <= V7_MAX_ROWS); everywhere else W is dequantized one tile of TILE_N
+output rows at a time (`model.nvfp4.dequantize`, cast to x's dtype), multiplied and dropped, the
+backward recomputing the same tiles. `nvfp4_linear_ref` is the spec (dequantize all of W, one matmul).
 
 Invariants: gradients flow only to x; the tiled path uses element for element the weights of
 `nvfp4_linear_ref` (tiling only splits output columns); the matmul runs in x's dtype, the result is
-cast to `out_dtype` (default x's); the Triton path equals the reference up to bf16 weight rounding.
+cast to `out_dtype` (default x's); the GEMV kernels equal the reference up to bf16 weight rounding.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,12 @@ TILE_N = 256
 """Output rows dequantized at once: 256 x 6144 fp32 = 6 MiB for M3, small beside activations."""
 TRITON_MAX_ROWS = 16
 """Up to this many rows (decode GEMVs) run the Triton W4A16 kernels on CUDA when no grad is wanted."""
+V7_MAX_ROWS = 64
+"""Up to this many rows variant "v7" runs the CUDA tensor-core GEMV (two launches above 32 rows)."""
+LinearVariant = Literal["v3", "v7"]
+"""The CUDA decode GEMV: "v3" the Triton split-K FMA GEMV, "v7" `cuda_gemv.nvfp4_gemv_cuda` (operands
+it cannot take in place, e.g. K or N not a multiple of 64, fall back to v3). Opt-in until timed."""
+DEFAULT_VARIANT: LinearVariant = "v3"
 
 
 def _dequant_rows(
@@ -124,17 +133,30 @@ def _check_args(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, sca
         raise ValueError(f"nvfp4_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _use_triton_gemv(x_2d: torch.Tensor) -> bool:
-    """Decode-sized inference on CUDA takes the Triton W4A16 kernels (one launch, weights decoded in
-    registers): bf16 rows <= TRITON_MAX_ROWS, no gradient wanted. Everything else stays tiled torch."""
+def _is_decode_rows(x_2d: torch.Tensor) -> bool:
+    """Decode-sized inference on CUDA: bf16 rows with unit stride, no gradient wanted."""
     return (
-        nvfp4_linear_triton is not None
-        and x_2d.is_cuda
+        x_2d.is_cuda
         and x_2d.dtype == torch.bfloat16
-        and 0 < x_2d.shape[0] <= TRITON_MAX_ROWS
+        and x_2d.shape[0] > 0
         and x_2d.stride(-1) == 1
         and not (torch.is_grad_enabled() and x_2d.requires_grad)
     )
+
+
+def _decode_gemv(x_2d, packed_NK2, scales_NK16, scale_2, variant: LinearVariant) -> torch.Tensor | None:
+    """The decode GEMV kernel's bf16 result for these operands (one launch, weights decoded in
+    registers), or None where the tiled torch path runs."""
+    if not _is_decode_rows(x_2d):
+        return None
+    if variant == "v7" and x_2d.shape[0] <= V7_MAX_ROWS and scale_2.dtype == torch.float32:
+        from model.kernels.cuda_gemv import gemv_supported, nvfp4_gemv_cuda
+
+        if gemv_supported(x_2d, packed_NK2, scales_NK16):
+            return nvfp4_gemv_cuda(x_2d, packed_NK2, scales_NK16, scale_2)
+    if nvfp4_linear_triton is not None and x_2d.shape[0] <= TRITON_MAX_ROWS:
+        return nvfp4_linear_triton(x_2d, packed_NK2, scales_NK16, scale_2)
+    return None
 
 
 def nvfp4_linear(
@@ -145,15 +167,19 @@ def nvfp4_linear(
     out_dtype: torch.dtype | None = None,
     *,
     tile_n: int = TILE_N,
+    variant: LinearVariant | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ dequant(W).T; differentiable w.r.t. x only. The one dispatch point."""
+    """y [..., N] = x [..., K] @ dequant(W).T; differentiable w.r.t. x only. The one dispatch point;
+    `variant` picks the CUDA decode GEMV (None: DEFAULT_VARIANT)."""
     _check_args(x_TK, packed_NK2, scales_NK16, scale_2)
     if tile_n < 1:
         raise ValueError(f"nvfp4_linear: tile_n must be >= 1, got {tile_n}")
+    variant = variant or DEFAULT_VARIANT
+    if variant not in LinearVariant.__args__:
+        raise ValueError(f"nvfp4_linear: variant must be one of {LinearVariant.__args__}, got {variant!r}")
     lead = x_TK.shape[:-1]
     x_2d = x_TK.reshape(-1, x_TK.shape[-1])
-    if _use_triton_gemv(x_2d):
-        y_TN = nvfp4_linear_triton(x_2d, packed_NK2, scales_NK16, scale_2)
-    else:
+    y_TN = _decode_gemv(x_2d, packed_NK2, scales_NK16, scale_2, variant)
+    if y_TN is None:
         y_TN = _NVFP4LinearTiled.apply(x_2d, packed_NK2, scales_NK16, scale_2.reshape(()), tile_n)
     return y_TN.reshape(*lead, packed_NK2.shape[0]).to(out_dtype or x_TK.dtype)
