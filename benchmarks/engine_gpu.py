@@ -1,10 +1,12 @@
 """Native engine decode step on the GPU: eager vs CUDA graphs side by side, against the bytes floor and
 Hugging Face transformers' MiniMax-M3 port, in one run.
 
-Per config (preset, batch): decode ms per step = (long run - short run) / (extra tokens) of the same batch
-(prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time / wall over
-decode-only steps, bytes floor = every weight byte once + the KV bytes the batch reads, / 4.17 TB/s;
-the touched floor counts only the routed experts a batch is expected to reach (uniform routing).
+Per config (preset, batch): decode ms per step = (long run - short run) / (extra tokens) of the same
+batch (prefill cancels, docs/PERFORMANCE.md), tokens/s = batch / step, GPU busy = profiler kernel time
+per decode-only step / the unprofiled decode step (`gpu_busy_profiled`: over the profiled window's own
+wall time, which the profiler's host cost stretches), bytes floor = every weight byte once + the KV
+bytes the batch reads, / 4.17 TB/s; the touched floor counts only the routed experts a batch is expected
+to reach (uniform routing).
 Modes: `eager` (unpadded, no capture), `graphs` (all-decode steps replayed from captured buckets; on
 CPU `static`, the same padded passes without capture), `compiled` (graphs of torch.compile'd passes).
 The peer (`MiniMaxM3VLForCausalLM.generate`, greedy, bf16 experts, dynamic and static cache) runs on the
@@ -91,10 +93,11 @@ def timed(fn, device, repeats: int) -> float:
 
 
 def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: torch.device) -> tuple:
-    """(kernel time / wall, kernels launched per step) over `steps` decode-only steps (prefill stepped
-    through first); (None, None) off CUDA."""
+    """(kernel us per step, kernel time / the profiled wall, kernels launched per step, top kernels) over
+    `steps` decode-only steps (prefill stepped through first); Nones off CUDA. Only device activity is
+    recorded: the host's own profiling would slow the host loop that async decode hides."""
     if device.type != "cuda":
-        return None, None, None
+        return None, None, None, None
     from torch.profiler import ProfilerActivity, profile
 
     for r in requests(prompts_BS, steps + 2):
@@ -102,7 +105,7 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
     while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
@@ -116,7 +119,7 @@ def gpu_busy(eng: NativeEngine, prompts_BS: torch.Tensor, steps: int, device: to
     kernels = sum(e.count for e in cuda)
     top = sorted(cuda, key=lambda e: -e.count)[:25]
     top = [(e.key[:70], round(e.count / steps, 1), round(e.self_device_time_total / steps, 1)) for e in top]
-    return kernel_us / wall_us, kernels / steps, top
+    return kernel_us / steps, kernel_us / wall_us, kernels / steps, top
 
 
 def replay_only_ms(eng: NativeEngine, batch: int, device: torch.device, n: int = 50) -> float | None:
@@ -223,14 +226,16 @@ def measure(model, preset: str, B: int, mode: str, prompts_BS, args, device, dty
     # wait near 0 means a host-bound step and decode - wait is the host loop's own time per step.
     wait_s = ((w2 - w1) - (w1 - w0)) / args.repeats / (args.long - args.short)
     floor_s, w_bytes, kv_bytes, touched_s = bytes_floor_s(model, eng, B, args.prompt_len + args.long // 2)
-    busy, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
+    kernel_us, busy_profiled, kernels, top = gpu_busy(eng, prompts_BS, args.profile_steps, device)
+    busy = None if kernel_us is None else kernel_us / 1e6 / step_s
     replay_ms = replay_only_ms(eng, B, device)
     row = {
         "preset": preset, "layers": model.config.num_hidden_layers, "batch": B, "mode": mode,
         "lora_rank": args.lora,
         "device": str(device), "dtype": str(dtype), "kv_dtype": kv, "prompt_len": args.prompt_len,
         "decode_ms": 1e3 * step_s, "tok_s": B / step_s,
-        "gpu_busy": busy, "kernels_per_step": kernels,
+        "gpu_busy": busy, "gpu_busy_profiled": busy_profiled, "kernel_ms": kernel_us and kernel_us / 1e3,
+        "kernels_per_step": kernels,
         "floor_ms": 1e3 * floor_s, "over_floor": step_s / floor_s, "weight_bytes": w_bytes,
         "kv_bytes": kv_bytes, "touched_floor_ms": 1e3 * touched_s, "over_touched_floor": step_s / touched_s,
         "graph_error": eng.runner.graph_error,
