@@ -505,6 +505,26 @@ def test_16_and_8_row_blocks_give_the_same_bits(shape, T, monkeypatch):
 @pytest.mark.parametrize("rb", [8, 16])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_partial_rounds_and_unaligned_split_starts_match(rb, monkeypatch):
+    """D = F = 1088: 17 chunks, so a split's last round holds 1 chunk; at T = 1 both launches take 2
+    K splits (chunks 0-8 and 9-16: the second starts mid-line, its copies span two lines per row)."""
+    from model.kernels import cuda_moe
+
+    monkeypatch.setattr(cuda_moe, "WIDE_BLOCK_SLOTS", 0 if rb == 16 else 1 << 30)
+    E, D, F, K = 4, 1088, 1088, 2
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert split_k(min(K, E), F, D, n_sms) == 2 and split_k(min(K, E), D, F, n_sms) == 2
+    bank = _bank(E, D, F, 14, "cuda")
+    for T in (1, 3):
+        gen = torch.Generator().manual_seed(15 + T)
+        x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+        ids, w = _routing(T, E, K, gen, "cuda")
+        _check(x, ids, w, bank, f"D = F = 1088, T={T}, {rb}-row blocks")
+
+
+@pytest.mark.parametrize("rb", [8, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_padding_rows_and_multi_block_experts_match(rb, monkeypatch):
     """Top-1 counts 1, 7, 8, 9, 0, 17, 3, 24: blocks of 1..rb valid rows (the rest -1), experts of 2
     and 3 blocks, an expert without tokens; large activations reach the swigluoai clamps."""
