@@ -61,6 +61,9 @@
 // Standalone compile check (no torch, no GPU): an instantiation file that defines CUDA_MOE_STANDALONE,
 // includes this file and instantiates moe_mma_kernel<true / false, 1 / 2>, then nvcc -std=c++17 -O3
 // -arch=sm_90a -cubin -Xptxas -v -I model/kernels (ptxas figures: cuda_moe.py's module docstring).
+// SASS of the round loop (nvcc 13), per warp and chunk: GLU 792 instructions (32 HMMA, 32 LDS, 12
+// LDGSTS, 2 LDG, 1 BAR), down 432; 16-row blocks 848 / 479 (64 / 32 HMMA); the unstaged version had
+// GLU 775 (26 LDG, 8 SHFL), down 401.
 
 #include <stdint.h>
 
