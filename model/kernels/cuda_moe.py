@@ -2,22 +2,33 @@
 
 What: `moe_nvfp4_mma(x, ids, weights, w1, w3, w2, ...)` = sum_k w[t, k] * expert_{ids[t, k]}(x[t]), the
 op and calling convention of `triton_moe.moe_nvfp4_triton` (its default on CUDA, `variant="v7"`).
-Why: decode batches put ~2 slots on each touched expert, so the routed part is a weight stream; here
-each lane reads its NVFP4 codes straight from the bank's canonical storage (two 8-byte loads per
-16 x 64 weight tile: one scale block of two rows, full 32-byte sectors per warp; no repack, no second
-copy of the weights), decodes them in registers (three integer ops per value pair and one bf16x2
-multiply by the block scale; nothing staged in shared memory) into the A fragments of mma.m16n8k16.
-Tokens sit on the MMA's N = 8 side: slot rows grouped by expert in blocks of 8
-(`triton_moe._group_by_expert`). Two launches (gate / up + swigluoai, then down x router weight),
-then `moe_combine`. The kernels, their fragment mapping, the load scheme and the decode arithmetic
-are documented in model/kernels/cuda_moe.cu.
+Why: decode batches put ~2 slots on each touched expert, so the routed part is a weight stream. The
+kernels read the bank's canonical NVFP4 storage in place (no repack, no second copy of the weights):
+each CTA copies a round of raw codes and scales (one whole 128-byte line of each of its 64 weight
+rows) into a 3-stage shared-memory ring with cp.async, and each lane decodes its A fragments from
+there in registers (three integer ops per value pair and one bf16x2 multiply by the block scale;
+nothing decoded is stored) for mma.m16n8k16. Staging is what makes the canonical layout as cheap as a
+lane-ordered copy: reading the fragments straight from global memory touched 8-16 cache lines per
+load instruction (two 8-byte code loads and a 4-byte scale word per lane, tile and chunk: ~272 L1
+line lookups per warp and GLU chunk, 65% of HBM at T = 64 on the H200), the copies touch 4 (codes)
+and 8 (scales) and the shared reads are conflict-free (~128 lookups), and 2 rounds per CTA are in
+flight without holding weight registers. Tokens sit on the MMA's N side: slot rows grouped by expert in
+blocks of 8 (`triton_moe._group_by_expert`), or of 16 (two column groups sharing each decoded
+fragment, `rows_per_block`) once experts average >= 6 slots, so an expert's weights are read once
+for up to 16 slots. Two launches (gate / up + swigluoai, then down x router weight), then
+`moe_combine`. The kernels, their fragment mapping, the stage layout and the decode arithmetic are
+documented in model/kernels/cuda_moe.cu.
 
 Invariants: no host sync; CUDA-graph safe after a warm-up call (the split counters and the compiled
 extension are made on first use); every launch leaves its split counters at 0 and writes every valid
 act / y row; K splits summed in split order (deterministic). The decoded weight e2m1 * s * 2^-7 is
 exact in bf16 and the products x * w exact in fp32, so results differ from `moe_experts_ref` (weights
 bf16(e2m1 * s * scale_2)) by < 2^-8 relative per weight; gate, up, act and y round to bf16 where the
-tile kernel (v2) rounds them. Imported on CPU (tests); compiled only on CUDA.
+tile kernel (v2) rounds them. By construction the staged kernels give the unstaged version's results
+bit for bit (the same registers reach every MMA in the same order; 16-row blocks only add MMA
+columns). Imported on CPU (tests); compiled only on CUDA. ptxas (nvcc 13, sm_90a), registers /
+spills: GLU 113 / 0, down 95 / 0 (8-row blocks); GLU 160 / 0, down 128 / 0 (16-row blocks); shared
+memory per CTA 54 / 27 KB (GLU / down): 4 GLU and 5 down CTAs per SM at 8-row blocks.
 """
 
 from __future__ import annotations
@@ -31,14 +42,16 @@ import torch
 from model.kernels.cuda_common import eager_us, graph_us, load_kernels
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks of
-# RB = 8 slot rows, N / I a projection's output / input features. Weights as the bank stores them:
+# RB = 8 or 16 slot rows, N / I a projection's output / input features. Weights as the bank stores them:
 # packed uint8 [E, N, I/2] (low nibble = even input), scales e4m3 [E, N, I/16], scale_2 fp32 [E].
-ROW_BLOCK = 8  # RB: slot rows per block = the N of mma.m16n8k16
+ROW_BLOCK = 8  # RB: slot rows per block = the N of mma.m16n8k16 (wide blocks: 2 RB)
+WIDE_BLOCK_SLOTS = 6  # mean slots per expert from which blocks hold 2 * ROW_BLOCK rows (`rows_per_block`)
 TILE_N = 64  # output features per CTA (4 tiles of 16), so N must be a multiple of 64
 CHUNK_K = 64  # inputs per lane step (4 scale blocks over the 4 lanes of a group)
-MAX_SLOTS_PER_EXPERT = ROW_BLOCK  # v7 dispatch bound on T*K / E (larger batches: the v2 tile kernel)
+MAX_SLOTS_PER_EXPERT = 8  # v7 dispatch bound on T*K / E (larger batches: the v2 tile kernel)
 MAX_SPLIT_K = 16
-CTAS_PER_SM = 3  # the kernels' __launch_bounds__ minimum (<= 168 registers)
+CTAS_PER_SM = 3  # the split heuristic's occupancy (the kernels' __launch_bounds__ minimum); kept at 3
+# when the staged kernels fit 4 GLU CTAs per SM: the split count fixes the summation order (bits)
 POISON_INTERMEDIATES = False  # tests set True: act and y start as NaN, so a missed row shows
 
 
@@ -52,7 +65,8 @@ def _extension(capability: tuple[int, int]):
                "counters"]  # fmt: skip
     decl = (
         "void moe_mma_launch(" + ", ".join(f"torch::Tensor {t}" for t in tensors) + ", int64_t n_out, "
-        "int64_t n_in, int64_t topk, int64_t split, double alpha, double limit, bool glu);"
+        "int64_t n_in, int64_t topk, int64_t split, double alpha, double limit, bool glu, "
+        "int64_t rows_per_block);"
     )
     return load_kernels("cuda_moe", decl, ("moe_mma_launch",), capability)
 
@@ -67,10 +81,20 @@ def split_k(n_blocks: int, n_out: int, n_in: int, n_sms: int) -> int:
     return max(1, min(want, MAX_SPLIT_K, n_in // CHUNK_K // 8))
 
 
+def rows_per_block(n_slots: int, n_experts: int) -> int:
+    """Slot rows per block, from shapes only (no sync): 16 (two MMA column groups per decoded weight
+    fragment) once the experts average >= WIDE_BLOCK_SLOTS slots, else 8. Why 6: expert loads are
+    ~Binomial(T, K / E); at a mean of 6 about 15% of the touched experts hold more than 8 slots (40% at
+    8, T = 256 at M3 widths), and 8-row blocks read their weights once per block, while 16-row blocks
+    cost every block twice the MMAs, x loads and B-fragment permutes (~10% more instructions, under
+    the issue and tensor-pipe headroom of a weight-bound launch)."""
+    return 2 * ROW_BLOCK if n_slots >= WIDE_BLOCK_SLOTS * n_experts else ROW_BLOCK
+
+
 def _canonical(name: str, w: tuple, shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One projection (packed, scales, scale_2) as the kernel reads it, checked: packed uint8 `shape`
     and scales e4m3 [E, N, I/16] contiguous on CUDA (no copy: a copy would be the second weight copy
-    this kernel exists to avoid), packed 8-byte and scales 4-byte aligned (the lanes' vector loads).
+    this kernel exists to avoid), packed 16-byte and scales 4-byte aligned (the cp.async pieces).
     -> (packed, scale bytes as uint8, scale_2 fp32 [E])."""
     packed, scales, scale_2 = w
     E, N, H = shape
@@ -83,13 +107,13 @@ def _canonical(name: str, w: tuple, shape: tuple) -> tuple[torch.Tensor, torch.T
                          f"{tuple(scales.shape)}")  # fmt: skip
     if not (packed.is_cuda and scales.is_cuda and packed.is_contiguous() and scales.is_contiguous()):
         raise ValueError(f"moe_nvfp4_mma: {name} packed and scales must be contiguous CUDA tensors")
-    if packed.data_ptr() % 8 or scales.data_ptr() % 4:
-        raise ValueError(f"moe_nvfp4_mma: {name} packed must be 8-byte and scales 4-byte aligned, got "
+    if packed.data_ptr() % 16 or scales.data_ptr() % 4:
+        raise ValueError(f"moe_nvfp4_mma: {name} packed must be 16-byte and scales 4-byte aligned, got "
                          f"addresses {packed.data_ptr():#x}, {scales.data_ptr():#x}")  # fmt: skip
     return packed, scales.view(torch.uint8), scale_2.reshape(-1).float().contiguous()
 
 
-def _launch(ext, x, rows, block_expert, router_w, wa, wb, out, n_active, topk, glu, alpha, limit):
+def _launch(ext, x, rows, block_expert, router_w, wa, wb, out, n_active, topk, glu, alpha, limit, rb):
     (wa_w, wa_s, wa_2), (wb_w, wb_s, wb_2) = wa, wb
     n_out, n_in = wa_w.shape[1], 2 * wa_w.shape[2]
     n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -98,10 +122,10 @@ def _launch(ext, x, rows, block_expert, router_w, wa, wb, out, n_active, topk, g
     from model.kernels.triton_gemv import split_counters
 
     counters = split_counters(x.device, n_units)
-    n_part = split * n_units * (8 if glu else 4) * 128 if split > 1 else 1
+    n_part = split * n_units * (8 if glu else 4) * (rb // ROW_BLOCK) * 128 if split > 1 else 1
     part = torch.empty((n_part,), dtype=torch.float32, device=x.device)
     ext.moe_mma_launch(x, rows, block_expert, router_w, wa_w, wa_s, wa_2, wb_w, wb_s, wb_2, out, part,
-                       counters, n_out, n_in, topk, split, alpha, limit, glu)  # fmt: skip
+                       counters, n_out, n_in, topk, split, alpha, limit, glu, rb)  # fmt: skip
 
 
 def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -112,11 +136,11 @@ def _scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 def moe_mma_supported(x_TD: torch.Tensor, w1_packed: torch.Tensor) -> bool:
     """CUDA bf16 tokens, D and F multiples of 64 (whole lane chunks and 64-feature CTA tiles), and a
-    contiguous, 8-byte aligned bank (the kernels read the canonical storage in place)."""
+    contiguous, 16-byte aligned bank (the kernels read the canonical storage in place)."""
     D, F = 2 * w1_packed.shape[2], w1_packed.shape[1]
     return (
         x_TD.is_cuda and x_TD.dtype == torch.bfloat16 and D % 64 == 0 and F % 64 == 0
-        and w1_packed.is_contiguous() and w1_packed.data_ptr() % 8 == 0
+        and w1_packed.is_contiguous() and w1_packed.data_ptr() % 16 == 0
     )  # fmt: skip
 
 
@@ -159,14 +183,15 @@ def moe_nvfp4_mma(
     if S == 0:
         return out_TD.zero_() if shared_TD is None else out_TD.zero_().add_(shared_TD)
     ext = _extension(torch.cuda.get_device_capability(x_TD.device))
-    rows, block_expert = _group_by_expert(topk_ids_TK.reshape(-1), E, block_rows=ROW_BLOCK)
+    rb = rows_per_block(S, E)
+    rows, block_expert = _group_by_expert(topk_ids_TK.reshape(-1), E, block_rows=rb)
     act = _scratch((rows.numel(), F), torch.bfloat16, x_TD.device)
     y_SD = _scratch((S, D), torch.float32, x_TD.device)
     weights_S = topk_weights_TK.reshape(-1).float().contiguous()
     n_active = min(S, E)  # blocks holding slots, when no expert has more than 8 (the split heuristic)
     common = (rows, block_expert, weights_S)
-    _launch(ext, x_TD, *common, m1, m3, act, n_active, K, True, swiglu_alpha, swiglu_limit)
-    _launch(ext, act, *common, m2, m2, y_SD, n_active, K, False, swiglu_alpha, swiglu_limit)
+    _launch(ext, x_TD, *common, m1, m3, act, n_active, K, True, swiglu_alpha, swiglu_limit, rb)
+    _launch(ext, act, *common, m2, m2, y_SD, n_active, K, False, swiglu_alpha, swiglu_limit, rb)
     return moe_combine(y_SD, K, out_TD, shared_TD)
 
 

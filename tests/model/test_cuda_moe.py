@@ -1,16 +1,20 @@
 """v7 CUDA tensor-core MoE decode (model/kernels/cuda_moe.py + cuda_moe.cu).
 
-CPU: a torch emulation of each lane, loading from the canonical NVFP4 tensors exactly as the kernel
-addresses them (two 8-byte code loads per tile and chunk, a 4-byte scale word, the shfl of the other
-row's word and the prmt picking the lane's two scale bytes), then the kernel's integer decode ops and
-the mma.m16n8k16 fragment layouts of the PTX ISA written out below, reproduces `nvfp4.dequantize`
-exactly (every code, e4m3 subnormal scales, 0 and 448) and the MMA's product (with the x-pair prmts);
-the loads cover every weight byte once, in whole 32-byte sectors. GPU (-m gpu): `moe_nvfp4_mma`
-against an emulation of the same roundings, `moe_experts_ref` and the v2 tile kernel at T in {1, 4, 64,
-256}, tiny and M3.1 shapes; padding rows and multi-block experts; special values (every E2M1 code with
-e4m3 subnormal scales: a flushing bf16 multiply shows up as a wrong 0.5 code); in-place weight
-updates and expert-sliced banks (the kernel reads the bank, nothing cached); CUDA-graph replay; the
-shared-expert add; determinism and split counters back at 0.
+CPU: a torch emulation of the staged kernel: each thread's cp.async pieces of a round (16-byte code
+pieces, 4-byte scale words, from the canonical NVFP4 tensors at the kernel's offsets, into the
+swizzled stage layout, chunks past the split's end skipped), then each lane's shared-memory reads
+(two 8-byte code words and two scale words per tile, the prmt picking its two scale bytes), the
+kernel's integer decode ops and the mma.m16n8k16 fragment layouts of the PTX ISA written out below,
+reproduces `nvfp4.dequantize` exactly (every code, e4m3 subnormal scales, 0 and 448; partial rounds and
+unaligned split starts) and the MMA's product (with the x-pair prmts); the copies cover every stage
+byte a lane reads once, each copy instruction reads whole 128-byte row lines (codes) or 16 contiguous
+bytes of 8 rows (scales), and the lanes' shared reads are bank-conflict free. GPU (-m gpu):
+`moe_nvfp4_mma` against an emulation of the same roundings, `moe_experts_ref` and the v2 tile kernel at
+T in {1, 4, 64, 256}, tiny and M3.1 shapes, 8- and 16-row blocks (bit-equal to each other); padding
+rows and multi-block experts; special values (every E2M1 code with e4m3 subnormal scales: a flushing
+bf16 multiply shows up as a wrong 0.5 code); in-place weight updates and expert-sliced banks (the
+kernel reads the bank, nothing cached); CUDA-graph replay; the shared-expert add; determinism and
+split counters back at 0.
 
 PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID_in_group (g, t):
   A a_i (i = 0..7, two per .b32 register, a_{2n} in the low half of register n):
@@ -27,11 +31,14 @@ import pytest
 import torch
 
 from model import nvfp4
-from model.kernels.cuda_moe import _canonical, random_bank, split_k, use_moe_mma
+from model.kernels.cuda_moe import _canonical, random_bank, rows_per_block, split_k, use_moe_mma
 from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
 
 MASK32 = 0xFFFFFFFF
-MT = 4  # tiles per CTA (cuda_moe.cu)
+# cuda_moe.cu's constants: tiles per CTA, warps (= chunks per round), bytes per row and round, a
+# stage's code bytes and bytes per matrix.
+MT, WARPS, LINE, CODE_BYTES, MAT_BYTES = 4, 4, 128, 8192, 9216
+THREADS = 32 * WARPS
 
 
 # ------------------------------------------------------------------------------- layouts (PTX ISA)
@@ -50,31 +57,68 @@ def byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
     return out
 
 
-def _u32(bytes_u8: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 4 m] -> int64 [..., m] little-endian 32-bit words."""
-    b = bytes_u8.long().view(*bytes_u8.shape[:-1], -1, 4)
+def _u32(bytes_: torch.Tensor) -> torch.Tensor:
+    """int64 bytes [..., 4 m] -> int64 [..., m] little-endian 32-bit words."""
+    b = bytes_.long().view(*bytes_.shape[:-1], -1, 4)
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
-def lane_offsets(E: int, N: int, n_in: int, g: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's byte offsets (load_chunk) for lane (g, t), as int64 [E, N / 64 CTAs, MT, KC, ...]:
-    code loads [..., 2] (row g, row g + 8; 8 bytes each) in the flat packed [E, N, I/2], and its scale
-    word [...] (4 bytes, row g for t < 2, else g + 8) in the flat scales [E, N, I/16]."""
-    e = torch.arange(E).view(E, 1, 1, 1)
-    cta = torch.arange(N // 64).view(1, -1, 1, 1)
-    tt = torch.arange(MT).view(1, 1, MT, 1)
-    c = torch.arange(n_in // 64).view(1, 1, 1, -1)
-    row_g = e * N + cta * 64 + g  # row_g of the kernel: tile 0 of the CTA
-    w_lane = row_g * (n_in // 2) + 8 * t
-    s_lane = (row_g + 8 * (t >> 1)) * (n_in // 16)
-    w = torch.stack([w_lane + c * 32 + (16 * tt + 8 * h) * (n_in // 2) for h in (0, 1)], dim=-1)
-    s = s_lane + c * 4 + (16 * tt) * (n_in // 16)
-    return w, s
+def code_copies(c_begin: int, c_end: int, rnd: int) -> list[tuple[int, int, int, int]]:
+    """The kernel's code copies (Copier) of one round and matrix: (thread, CTA row, byte of the row,
+    stage offset) of each 16-byte piece, pieces of chunks >= c_end left out."""
+    out = []
+    for tid in range(THREADS):
+        r0, u = tid >> 3, tid & 7
+        if c_begin + WARPS * rnd + (u >> 1) >= c_end:
+            continue
+        for i in range(4):
+            r = 16 * i + r0
+            dst = r * LINE + (((u >> 1) ^ (r & 3)) * 32) + (u & 1) * 16
+            out.append((tid, r, 32 * c_begin + 16 * u + LINE * rnd, dst))
+    return out
+
+
+def scale_copies(c_begin: int, c_end: int, rnd: int) -> list[tuple[int, int, int, int]]:
+    """The kernel's scale copies of one round and matrix: (thread, CTA row, byte of the scale row,
+    stage offset) of each 4-byte word."""
+    out = []
+    for tid in range(THREADS):
+        rs, j = tid >> 2, tid & 3
+        if c_begin + WARPS * rnd + j >= c_end:
+            continue
+        for i in range(2):
+            r = 32 * i + rs
+            out.append((tid, r, 4 * (c_begin + j) + 16 * rnd, CODE_BYTES + r * 16 + 4 * j))
+    return out
+
+
+def lane_reads(warp: int, g: int, t: int, tt: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Stage offsets a lane reads for tile tt of a matrix: (code word of row g, of row g + 8; 8 bytes
+    each), (scale word of row g, of row g + 8; 4 bytes each)."""
+    code = g * LINE + ((warp ^ (g & 3)) * 32) + 8 * t + tt * 16 * LINE
+    scale = CODE_BYTES + g * 16 + 4 * warp + tt * 16 * 16
+    return (code, code + 8 * LINE), (scale, scale + 8 * 16)
 
 
 def scale_selector(t: int) -> int:
-    """The kernel's `sel`: byte t of the row-g word into byte 0, of the row-(g + 8) word into byte 1."""
-    return (t | (4 + t) << 4) if t < 2 else ((4 + t) | t << 4)
+    """The kernel's `sel`: byte t of the row-g word into byte 0, byte t of the row-(g + 8) word into 1."""
+    return t | (4 + t) << 4
+
+
+def split_ranges(kc: int, split: int) -> list[tuple[int, int]]:
+    per = -(-kc // split)
+    return [(s * per, min(kc, s * per + per)) for s in range(split) if s * per < kc]
+
+
+def stage_round(rows_w: torch.Tensor, rows_s: torch.Tensor, c_begin: int, c_end: int, rnd: int):
+    """One matrix's stage after the round's copies: int64 [..., MAT_BYTES], -1 where nothing was
+    copied. rows_w / rows_s: a CTA's 64 code / scale rows, uint8 [..., 64, I/2] / [..., 64, I/16]."""
+    stage = torch.full((*rows_w.shape[:-2], MAT_BYTES), -1, dtype=torch.long)
+    for copies, rows, size in ((code_copies, rows_w, 16), (scale_copies, rows_s, 4)):
+        for _, r, src, dst in copies(c_begin, c_end, rnd):
+            assert bool((stage[..., dst : dst + size] == -1).all()), "a stage byte written twice"
+            stage[..., dst : dst + size] = rows[..., r, src : src + size].long()
+    return stage
 
 
 def _bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,39 +152,49 @@ def decode_registers(qg: torch.Tensor, qg8: torch.Tensor, s_g: torch.Tensor, s_g
     return regs
 
 
-def emulate_weights(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Every lane's loads from the canonical tensors, its scale shfl / prmt and decode, its A registers
-    placed at (row, k) through the PTX A layout and `kappa_to_k`: fp32 [E, N, I] = e2m1 * s (the
-    kernel's decoded value times its 2^7)."""
+def lane_values(stage: torch.Tensor, warp: int, lane: int, tt: int) -> dict[tuple[int, int], torch.Tensor]:
+    """One lane's tile tt of its warp's chunk from a stage (int64 bytes [..., MAT_BYTES]): its shared
+    reads, scale prmt and decode -> {(tile row, chunk input k): fp32 e2m1 * s} through the A layout."""
+    g, t = lane // 4, lane % 4
+    (cg, cg8), (sg, sg8) = lane_reads(warp, g, t, tt)
+    read = [stage[..., o : o + n] for o, n in ((cg, 8), (cg8, 8), (sg, 4), (sg8, 4))]
+    assert all(bool((v >= 0).all()) for v in read), "a lane read an uncopied byte"
+    qg, qg8, sw_g, sw_g8 = (_u32(v) for v in read)
+    pair = byte_perm(sw_g[..., 0], sw_g8[..., 0], scale_selector(t))
+    s_g, s_g8 = (((pair >> (8 * r)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float() for r in (0, 1))
+    out = {}
+    for step in range(4):
+        sh = 8 * (step & 1)
+        regs = decode_registers(qg[..., step >> 1] >> sh, qg8[..., step >> 1] >> sh, s_g, s_g8)
+        for n in range(4):
+            for h in range(2):
+                row, kappa = a_row_col(2 * n + h, g, t)
+                out[row, kappa_to_k(kappa, step, t)] = regs[n][h] * 2.0**7
+    return out
+
+
+def emulate_weights(packed: torch.Tensor, scales: torch.Tensor, split: int = 1) -> torch.Tensor:
+    """Every CTA's rounds of staged copies from the canonical tensors (K split `split` ways), every
+    lane's shared reads of its chunk, its scale prmt and decode, its A registers placed at (row, k)
+    through the PTX A layout and `kappa_to_k`: fp32 [E, N, I] = e2m1 * s (the kernel's decoded value
+    times its 2^7)."""
     E, N, H = packed.shape
-    n_in = 2 * H
-    flat_w, flat_s = packed.reshape(-1), scales.view(torch.uint8).reshape(-1)
-    out = torch.full((E, N // 64, MT, n_in // 64, 16, 64), float("nan"))  # [E, CTA, tile, chunk, row, k]
-    words = {}
-    for lane in range(32):  # every lane's scale word first: the shfl reads lane t ^ 2's
-        g, t = lane // 4, lane % 4
-        w_off, s_off = lane_offsets(E, N, n_in, g, t)
-        codes = flat_w[w_off.unsqueeze(-1) + torch.arange(8)]  # [..., 2 rows, 8 bytes]
-        words[lane] = (
-            _u32(codes[..., 0, :]),
-            _u32(codes[..., 1, :]),
-            _u32(flat_s[s_off.unsqueeze(-1) + torch.arange(4)])[..., 0],
-        )
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        qg, qg8, own = words[lane]
-        pair = byte_perm(own, words[lane ^ 2][2], scale_selector(t))
-        s_g, s_g8 = (
-            ((pair >> (8 * r)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float() for r in (0, 1)
-        )
-        for step in range(4):
-            sh = 8 * (step & 1)
-            regs = decode_registers(qg[..., step >> 1] >> sh, qg8[..., step >> 1] >> sh, s_g, s_g8)
-            for n in range(4):
-                for h in range(2):
-                    row, kappa = a_row_col(2 * n + h, g, t)
-                    out[..., row, kappa_to_k(kappa, step, t)] = regs[n][h] * 2.0**7
-    return out.permute(0, 1, 2, 4, 3, 5).reshape(E, N, n_in)
+    n_in, kc = 2 * H, 2 * H // 64
+    rows_w = packed.view(E, N // 64, 64, H)  # [E, CTA, CTA row, byte]
+    rows_s = scales.view(torch.uint8).view(E, N // 64, 64, n_in // 16)
+    out = torch.full((E, N // 64, MT, 16, n_in), float("nan"))  # [E, CTA, tile, row, k]
+    for c_begin, c_end in split_ranges(kc, split):
+        for rnd in range(-(-(c_end - c_begin) // WARPS)):
+            stage = stage_round(rows_w, rows_s, c_begin, c_end, rnd)
+            for warp in range(WARPS):
+                c = c_begin + WARPS * rnd + warp
+                if c >= c_end:
+                    continue
+                for lane in range(32):
+                    for tt in range(MT):
+                        for (row, k), v in lane_values(stage, warp, lane, tt).items():
+                            out[..., tt, row, 64 * c + k] = v
+    return out.reshape(E, N, n_in)
 
 
 def _special_weights(E: int, N: int, n_in: int, gen: torch.Generator):
@@ -172,35 +226,59 @@ def test_kappa_map_covers_each_chunk_once_and_a_lane_holds_one_scale_block():
                 assert kappa_to_k(kappa + 1, i, t) == kappa_to_k(kappa, i, t) + 4
 
 
-def test_lane_loads_cover_every_code_byte_once_in_whole_sectors():
-    """Every byte of packed [E, N, I/2] is loaded by exactly one (lane, CTA, tile, chunk, row half),
-    and the 4 lanes of a group read one aligned 32-byte sector of a row (the scale picks are checked
-    by the dequantize equality below)."""
-    E, N, n_in = 2, 128, 256
-    hits = torch.zeros(E * N * n_in // 2, dtype=torch.long)
-    for g in range(8):
-        group = []
-        for t in range(4):
-            w_off, s_off = lane_offsets(E, N, n_in, g, t)
-            assert bool((w_off % 8 == 0).all()) and bool((s_off % 4 == 0).all())  # vector-load alignment
-            loaded = (w_off.unsqueeze(-1) + torch.arange(8)).reshape(-1)
-            hits.index_add_(0, loaded, torch.ones_like(loaded))
-            group.append(w_off)
-        assert bool((group[0] % 32 == 0).all())
-        for t in range(4):
-            assert torch.equal(group[t], group[0] + 8 * t)  # contiguous: one sector per row and group
-    assert bool((hits == 1).all())
+def test_each_copy_instruction_reads_whole_row_lines_and_a_round_is_copied_once():
+    """A warp's code-copy instruction (fixed piece i) reads 4 rows x the round's 128 contiguous bytes
+    (one whole line per row when the round starts on a 4-chunk boundary), a scale-copy instruction 8
+    rows x 16 contiguous bytes; a full round writes every stage byte exactly once."""
+    codes, scales = code_copies(0, 8, 1), scale_copies(0, 8, 1)
+    assert len(codes) == 4 * THREADS and len(scales) == 2 * THREADS
+    for copies, size, n_rows, span in ((codes, 16, 4, LINE), (scales, 4, 8, 16)):
+        per_instr = {}
+        for k, (tid, r, src, _) in enumerate(copies):
+            per_instr.setdefault((tid >> 5, k % (len(copies) // THREADS)), []).append((r, src))
+        for pieces in per_instr.values():
+            assert len(pieces) == 32
+            by_row = {}
+            for r, src in pieces:
+                by_row.setdefault(r, []).append(src)
+            assert len(by_row) == n_rows
+            for srcs in by_row.values():
+                lo = min(srcs)
+                assert sorted(srcs) == list(range(lo, lo + span, size))
+                assert lo % span == 0  # aligned: whole lines (codes) at a 4-chunk-aligned round
+    written = torch.zeros(MAT_BYTES, dtype=torch.long)
+    for _, _, _, dst in codes:
+        written[dst : dst + 16] += 1
+    for _, _, _, dst in scales:
+        written[dst : dst + 4] += 1
+    assert bool((written == 1).all())
 
 
-def test_fragment_emulation_from_canonical_storage_reproduces_dequantize_exactly():
-    """Every code with every kind of scale (subnormal, 0, 448): the lanes' decoded registers, loaded
-    from the canonical tensors and placed by the PTX A layout, are exactly e2m1 * s (nvfp4.dequantize
-    with scale_2 = 1)."""
-    gen = torch.Generator().manual_seed(1)
-    packed, scales = _special_weights(2, 64, 128, gen)
+def test_lane_shared_reads_are_bank_conflict_free():
+    """Code words (8 bytes): each half-warp's 16 lanes hit 16 distinct 8-byte bank pairs; scale words
+    (4 bytes): lanes at distinct addresses hit distinct banks (lanes of one g share a word)."""
+    for warp in range(WARPS):
+        for tt in range(MT):
+            for h in (0, 1):
+                for half in (0, 1):
+                    lanes = range(16 * half, 16 * half + 16)
+                    pairs = {(lane_reads(warp, ln // 4, ln % 4, tt)[0][h] % 128) // 8 for ln in lanes}
+                    assert len(pairs) == 16
+                addrs = {lane_reads(warp, ln // 4, ln % 4, tt)[1][h] for ln in range(32)}
+                assert len({(a % 128) // 4 for a in addrs}) == len(addrs) == 8
+
+
+@pytest.mark.parametrize("n_in, split", [(128, 1), (512, 1), (320, 2), (576, 3)])
+def test_fragment_emulation_from_staged_copies_reproduces_dequantize_exactly(n_in, split):
+    """Every code with every kind of scale (subnormal, 0, 448): the lanes' decoded registers, copied
+    from the canonical tensors into the stages and read back by the lanes, placed by the PTX A layout,
+    are exactly e2m1 * s (nvfp4.dequantize with scale_2 = 1). n_in 128: one partial round; 320 in 2
+    splits: chunks 0-2 and 3-4 (an unaligned split start); 576 in 3 splits: 3 chunks each."""
+    gen = torch.Generator().manual_seed(n_in + split)
+    packed, scales = _special_weights(2, 64, n_in, gen)
     sbytes = scales.view(torch.uint8)
     assert {0, 1, 7, 0x7E} <= set(sbytes.unique().tolist())  # zero, subnormals, 448 are all there
-    got = emulate_weights(packed, scales)
+    got = emulate_weights(packed, scales, split)
     want = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, torch.tensor(1.0)), torch.float32)
     assert torch.equal(got, want)
 
@@ -249,6 +327,14 @@ def test_split_heuristic_fills_the_gpu_at_t1_and_stays_one_at_decode_batches():
     assert split_k(128, 3072, 6144, 132) == 1 and split_k(128, 6144, 3072, 132) == 1
     assert split_k(1, 64, 64, 132) == 1  # never fewer than 2 chunks per warp
     assert use_moe_mma(256, 128) and use_moe_mma(1024, 128) and not use_moe_mma(1025, 128)
+
+
+def test_rows_per_block_is_16_from_six_slots_per_expert():
+    assert rows_per_block(4 * 64, 128) == 8 and rows_per_block(4 * 128, 128) == 8  # T = 64, 128 at M3
+    assert rows_per_block(767, 128) == 8 and rows_per_block(768, 128) == 16
+    assert rows_per_block(4 * 256, 128) == 16  # T = 256
+    # Wide blocks only where the split heuristic gives 1 split at M3 widths (split-K stays 8-row).
+    assert split_k(min(768, 128), 3072, 6144, 132) == 1 and split_k(min(768, 128), 6144, 3072, 132) == 1
 
 
 def test_moe_nvfp4_mma_rejects_cpu_and_bad_shapes_with_the_field_name():
@@ -390,11 +476,61 @@ def test_every_code_with_subnormal_scales_is_exact_enough():
     _check(x, ids, w, bank, "special")
 
 
+@pytest.mark.parametrize("T", [1, 4, 64, 256])
+@pytest.mark.parametrize("shape", ["tiny", "m3.1"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_padding_rows_and_multi_block_experts_match():
-    """Top-1 counts 1, 7, 8, 9, 0, 17, 3, 24: blocks of 1..8 valid rows (the rest -1), experts of 2
+def test_16_and_8_row_blocks_give_the_same_bits(shape, T, monkeypatch):
+    """Forcing one block height (`rows_per_block`) against the other: every slot's sums are the same
+    MMAs on the same registers, so the outputs are equal bit for bit (T = 1 at M3 widths: the split-K
+    path with 16-row partials); counters back at 0."""
+    from model.kernels import cuda_moe
+    from model.kernels.triton_gemv import split_counters
+
+    E, D, F, K = (8, 128, 64, 2) if shape == "tiny" else (128, 6144, 3072, 4)
+    bank = _bank(E, D, F, T, "cuda")
+    gen = torch.Generator().manual_seed(T)
+    x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+    ids, w = _routing(T, E, K, gen, "cuda")
+    outs = {}
+    for rb in (8, 16):
+        monkeypatch.setattr(cuda_moe, "WIDE_BLOCK_SLOTS", 0 if rb == 16 else 1 << 30)
+        assert cuda_moe.rows_per_block(T * K, E) == rb
+        outs[rb] = _call(bank, x, ids, w)
+        assert int(split_counters(x.device, 1).abs().sum()) == 0, f"rb={rb}: split counters not back at 0"
+    assert torch.isfinite(outs[16].float()).all()
+    assert torch.equal(outs[8], outs[16]), f"{shape} T={T}: 8- and 16-row blocks differ"
+
+
+@pytest.mark.parametrize("rb", [8, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_partial_rounds_and_unaligned_split_starts_match(rb, monkeypatch):
+    """D = F = 1088: 17 chunks, so a split's last round holds 1 chunk; at T = 1 both launches take 2
+    K splits (chunks 0-8 and 9-16: the second starts mid-line, its copies span two lines per row)."""
+    from model.kernels import cuda_moe
+
+    monkeypatch.setattr(cuda_moe, "WIDE_BLOCK_SLOTS", 0 if rb == 16 else 1 << 30)
+    E, D, F, K = 4, 1088, 1088, 2
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert split_k(min(K, E), F, D, n_sms) == 2 and split_k(min(K, E), D, F, n_sms) == 2
+    bank = _bank(E, D, F, 14, "cuda")
+    for T in (1, 3):
+        gen = torch.Generator().manual_seed(15 + T)
+        x = (torch.randn(T, D, generator=gen) * 2).to(torch.bfloat16).cuda()
+        ids, w = _routing(T, E, K, gen, "cuda")
+        _check(x, ids, w, bank, f"D = F = 1088, T={T}, {rb}-row blocks")
+
+
+@pytest.mark.parametrize("rb", [8, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_padding_rows_and_multi_block_experts_match(rb, monkeypatch):
+    """Top-1 counts 1, 7, 8, 9, 0, 17, 3, 24: blocks of 1..rb valid rows (the rest -1), experts of 2
     and 3 blocks, an expert without tokens; large activations reach the swigluoai clamps."""
+    from model.kernels import cuda_moe
+
+    monkeypatch.setattr(cuda_moe, "WIDE_BLOCK_SLOTS", 0 if rb == 16 else 1 << 30)
     counts = [1, 7, 8, 9, 0, 17, 3, 24]
     gen = torch.Generator().manual_seed(5)
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
@@ -403,7 +539,7 @@ def test_padding_rows_and_multi_block_experts_match():
     bank = _bank(len(counts), 128, 64, 6, "cuda")
     x = (torch.randn(T, 128, generator=gen) * 8).to(torch.bfloat16).cuda()
     w = torch.rand(T, 1, generator=gen).cuda()
-    _check(x, ids, w, bank, "top-1 counts")
+    _check(x, ids, w, bank, f"top-1 counts, {rb}-row blocks")
 
 
 @pytest.mark.gpu
