@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
     n_valid += __popc(load_batch(p, bt, lane, u_first, n_k, cpb, pos, sel_row, bt_row).mask);
   // The producer's next unit (warp-uniform): its first key and K-row offset, written / issued by lane 0.
   auto next_unit = [&](int& key0, long long& off) {
-    while (prod.mask == 0) prod = load_batch(p, ++pbatch, lane, u_first, n_k, cpb, pos, sel_row, bt_row);
+    while (prod.mask == 0 && pbatch + 1 < n_batches)  // never past the last batch (callers take n_valid)
+      prod = load_batch(p, ++pbatch, lane, u_first, n_k, cpb, pos, sel_row, bt_row);
     const int k = __ffs(prod.mask) - 1;
     prod.mask &= prod.mask - 1;
     key0 = __shfl_sync(0xFFFFFFFFu, prod.key0, k);

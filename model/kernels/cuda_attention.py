@@ -115,17 +115,31 @@ def _device_info(index: int) -> tuple[tuple[int, int], int]:
     return (props.major, props.minor), props.multi_processor_count
 
 
+COUNTER_SLOTS, COUNTER_LEN = 8, 1 << 16  # streams per device with a pre-zeroed slot, pairs per slot
+_COUNTER_POOLS: dict[str, torch.Tensor] = {}
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters, one buffer per (device, stream), kept between calls: every launch
-    leaves its counters at 0. Allocated on first use (warm up before CUDA-graph capture)."""
-    stream = torch.cuda.current_stream(device).cuda_stream
-    key = (str(device), stream)
+    """Zeroed int32 ticket counters (>= n), one buffer per (device, stream) so that launches on two
+    streams never share one, kept between calls: every launch leaves its counters at 0. A new stream
+    takes the next slot of a device pool zeroed on the device's first call, so a capture on a fresh
+    stream (torch.cuda.graph's side stream) allocates and zeroes nothing inside the graph; past
+    COUNTER_SLOTS streams or COUNTER_LEN pairs a buffer of its own (warm up on the capture stream)."""
+    if device.index is None:  # "cuda" and "cuda:0" must share one buffer
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        pool = _COUNTER_POOLS.get(key[0])
+        if pool is None:
+            pool = _COUNTER_POOLS[key[0]] = torch.zeros(COUNTER_SLOTS, COUNTER_LEN, dtype=torch.int32,
+                                                        device=device)  # fmt: skip
+        used = sum(1 for k in _COUNTERS if k[0] == key[0])
+        if buf is None and used < COUNTER_SLOTS and n <= COUNTER_LEN:
+            buf = pool[used]
+        else:
+            buf = torch.zeros(max(n, COUNTER_LEN), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
 
