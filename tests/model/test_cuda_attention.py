@@ -542,6 +542,16 @@ def test_split_plan_fills_the_gpu_and_covers_every_unit():
     assert PART_FLOATS * 4 % 128 == 0  # the partials' L2 discards take whole 128-byte lines
 
 
+def test_selftest_reference_over_selected_pages_equals_the_spec():
+    from model.kernels.cuda_attention import decode_problem, selected_pages_ref
+
+    for B, ctx, K in ((3, 1000, 16), (2, 4096, 4)):  # fewer blocks than slots (-1 padded), and more
+        q, kv, table, seq, pos, sel = decode_problem(B, ctx, 2, 4, K, torch.device("cpu"), seed=ctx)
+        want = sparse_attention_ref(q, kv, table, seq, pos, pos + 1, sel, softmax_scale=HEAD_DIM**-0.5)
+        got = selected_pages_ref(q, kv, table, pos, sel, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=2**-8 * want.abs().max().item())
+
+
 def test_v7_does_not_apply_on_cpu_and_the_entry_rejects_it():
     gen = torch.Generator().manual_seed(5)
     q, kv, table, seq, pos, sel = ragged_problem([200], 2, 4, 2, 128, gen, calib=448.0)
