@@ -176,8 +176,8 @@ def sparse_attention_cuda(
     out_THC: torch.Tensor | None = None, waves: int = WAVES,
 ) -> torch.Tensor:  # fmt: skip
     """[T, H, C] bf16 (written into `out_THC` if given); see the module notes and `v7_applies`.
-    selected_TNK: left-packed, -1 padded, never past the query's block (None: every block). Positions
-    must lie inside the rows' allocated pages (< 2^31), the cache's global scales be positive."""
+    selected_TNK: distinct blocks, left-packed, -1 padded, never past the query's block (None: every
+    block). Positions must lie inside the rows' allocated pages (< 2^31)."""
     if not v7_applies(q_THC, kv_cache):
         raise ValueError(
             "sparse_attention_cuda: need CUDA sm_90+, bf16 q [T, H, 128] and an NVFP4 cache uint8 [P, 2N, "
@@ -209,6 +209,8 @@ def sparse_attention_cuda(
                          f"{tuple(selected_TNK.shape)}")  # fmt: skip
     if T == 0:
         return out_THC
+    if selected_TNK is not None and selected_TNK.shape[2] == 0:  # no slots: no key (the launcher
+        return out_THC.zero_()  # reads an empty selection as a dense walk)
     block_tables_BP = _index_tensor(block_tables_BP, "block_tables_BP")
     seq_idx_T, positions_T = _index_tensor(seq_idx_T, "seq_idx_T"), _index_tensor(positions_T, "positions_T")
     if selected_TNK is None:

@@ -622,7 +622,7 @@ def test_v7_matches_the_reference_and_v6(lens, G, K, calib):
 
 @pytest.mark.gpu
 @gpu
-def test_v7_dense_walk_int64_indices_and_the_dispatch():
+def test_v7_dense_walk_int64_indices_empty_selection_and_the_dispatch():
     cpu, (q, kv, table, seq, pos, sel) = _gpu_problem([900, 333, 4000], 2, 16, 16, seed=21, idx64=True)
     want = sparse_attention_ref(*cpu[:6], None, softmax_scale=HEAD_DIM**-0.5)
     got = sparse_attention_cuda(q, kv, table, seq, pos, None, softmax_scale=HEAD_DIM**-0.5)
@@ -631,6 +631,9 @@ def test_v7_dense_walk_int64_indices_and_the_dispatch():
     lens = pos + 1
     got = sparse_attention(q, kv, table, seq, pos, lens, sel, softmax_scale=HEAD_DIM**-0.5, variant="v7")
     assert _err(got, want) <= TOL
+    none = sparse_attention_cuda(q, kv, table, seq, pos, sel[:, :, :0], softmax_scale=HEAD_DIM**-0.5,
+                                 out_THC=torch.full_like(q, float("nan")))  # fmt: skip
+    assert torch.equal(none, torch.zeros_like(q)), "no selected slot -> zeros"
 
 
 @pytest.mark.gpu
