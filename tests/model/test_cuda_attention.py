@@ -640,10 +640,10 @@ def test_v7_dense_walk_int64_indices_empty_selection_and_the_dispatch():
 @gpu
 def test_v7_verify_rows_of_one_sequence():
     """Several query rows of one sequence at increasing positions (a verify / prefill chunk): each sees
-    the keys up to its own position only."""
+    the keys up to its own position only; a row at position -1 sees none (zeros)."""
     cpu, (_, kv, table, *_) = _gpu_problem([5000], 2, 16, 16, seed=22)
-    T = 9
-    pos_t = torch.tensor([0, 1, 127, 128, 129, 2000, 4097, 4998, 4999])
+    T = 10
+    pos_t = torch.tensor([0, 1, 127, 128, 129, 2000, 4097, 4998, 4999, -1])
     gen = torch.Generator().manual_seed(3)
     sel_t = torch.full((T, 2, 16), -1, dtype=torch.long)
     for t in range(T):
@@ -658,6 +658,7 @@ def test_v7_verify_rows_of_one_sequence():
     got = sparse_attention_cuda(q_t.cuda(), kv, table, seq_t.cuda(), pos_t.cuda(), sel_t.cuda(),
                                 softmax_scale=HEAD_DIM**-0.5)  # fmt: skip
     assert _err(got, want) <= TOL
+    assert torch.equal(got[-1].cpu(), torch.zeros_like(q_t[-1])), "position -1: no visible key -> 0"
 
 
 @pytest.mark.gpu
