@@ -60,7 +60,7 @@ from model.layers.moe import ExpertBank
 ROOFLINE_TBS = 4.17
 OP_VARIANTS = {
     "indexer": ("v2", "v7"),
-    "attention": ("v2", "v6"),
+    "attention": ("v2", "v6", "v7"),
     "gemv": ("v2", "v3", "v7"),
     "moe": ("v2", "v7"),
 }
@@ -238,9 +238,13 @@ def run_attention(
     cfg: ModelConfig, B: int, ctx: int, device, with_torch: bool, variants=OP_DEFAULTS["attention"]
 ) -> None:
     """Sparse attention decode per cache format and version (v6: NVFP4 code bytes decoded in
-    registers into the dot operands, `_sparse_attn_v6_tuned`; v2: byte-wise to e4m3, FP8 dots; FP8
-    / bf16 caches run the same code in every version), each with its own autotune pick. Ratios
-    NVFP4 vs FP8 per version, and each later version vs the first."""
+    registers into the dot operands, `_sparse_attn_v6_tuned`; v2: byte-wise to e4m3, FP8 dots; v7
+    (opt-in): the CUDA kernel of model/kernels/cuda_attention.py for NVFP4, v6's path for the other
+    caches; FP8 / bf16 caches run the same code in every version), each with its own autotune pick.
+    Ratios NVFP4 vs FP8 per version, and each later version vs the first."""
+    from model.kernels.cuda_attention import plan_splits as attention_splits
+    from model.kernels.cuda_attention import sparse_attention_cuda, v7_applies
+
     H, N, C = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     page, K = cfg.index_block_size, cfg.index_topk_blocks
     table, n_pages = tables(B, ctx, page, device)
@@ -255,6 +259,14 @@ def run_attention(
         )
         return torch.cat([torch.full((B, N, 1), nb - 1, device=device), sel], dim=-1)  # local block first
 
+    def attend(variant, q, kv, sel):
+        if variant == "v7" and v7_applies(q, kv):
+            return sparse_attention_cuda(q, kv, table, seq, pos, sel, softmax_scale=C**-0.5)
+        triton_variant = "v6" if variant == "v7" else variant  # v7's other caches: v6's path
+        return sparse_attention_triton(
+            q, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=triton_variant
+        )
+
     sels = [make_sel() for _ in range(R)]
     sel = sels[0]
     q = torch.randn(B, H, C, device=device, dtype=torch.bfloat16)
@@ -267,24 +279,20 @@ def run_attention(
         n_bytes = B * N * K * page * 2 * pages.shape[-1] * pages.element_size() + 2 * q.nbytes
         t_eager = None
         for variant in variants if dtype != "bf16" else variants[-1:]:
-            fn = lambda: sparse_attention_triton(
-                q, kv, table, seq, pos, sel, softmax_scale=C**-0.5, variant=variant
-            )
+            fn = lambda: attend(variant, q, kv, sel)
             got = fn()
             err = ((got.float() - want).abs().max() / want.abs().max()).item()
             t_eager = bench(fn)
-            times[dtype, variant] = bench_graph(
-                lambda: [
-                    sparse_attention_triton(
-                        q, kv, table, seq, pos, s_, softmax_scale=C**-0.5, variant=variant
-                    )
-                    for s_ in sels
-                ],
-                reps=R,
-            )
-            tuner = _sparse_attn_v6_tuned if variant == "v6" and dtype == "nvfp4" else _sparse_attn_tuned
+            times[dtype, variant] = bench_graph(lambda: [attend(variant, q, kv, s_) for s_ in sels], reps=R)
+            is_cuda = variant == "v7" and v7_applies(q, kv)
+            v6_tuned = variant in ("v6", "v7") and dtype == "nvfp4"
+            tuner = _sparse_attn_v6_tuned if v6_tuned else _sparse_attn_tuned
             cfg_str = str(getattr(tuner, "best_config", None))
-            record("attention", shape, f"triton {dtype} {variant}", times[dtype, variant], n_bytes,
+            if is_cuda:  # (splits, units of 32 keys per split) of the CUDA launch
+                n_sms = torch.cuda.get_device_properties(device).multi_processor_count
+                cfg_str = "cuda splits/units {} {}".format(*attention_splits(B * N, K, page, n_sms))
+            kind = "cuda" if is_cuda else "triton"
+            record("attention", shape, f"{kind} {dtype} {variant}", times[dtype, variant], n_bytes,
                    rel_err_vs_fp32=round(err, 4), config=cfg_str, eager_us=round(t_eager, 1))  # fmt: skip
         t_naive = bench(lambda: naive_selected_attention(q, kv, table, pos, sel, C**-0.5), rep_ms=100)
         record("attention", shape, f"naive-gather {dtype}", t_naive, n_bytes,

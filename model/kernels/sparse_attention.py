@@ -4,7 +4,8 @@ What: T varlen query tokens (prefill, decode or verify tokens of several sequenc
 its own sequence's cached keys at positions <= its own within its KV group's selected blocks
 (`selected_TNK=None`: every block, the full-attention layers' op). `sparse_attention_ref` is the spec,
 `sparse_attention_torch` the batched path, `sparse_attention` validates and dispatches (Triton on CUDA
-or under TRITON_INTERPRET=1, torch elsewhere and for fp32 caches). The training twins
+or under TRITON_INTERPRET=1, torch elsewhere and for fp32 caches; `variant="v7"`, opt-in: the CUDA kernel
+of `model.kernels.cuda_attention` where it applies, NVFP4 pages of head dim 128). The training twins
 (`sparse_attention_train_ref` / `_train`) pick `backend=`, else MSA_TRAIN_BACKEND, else the measured
 `AUTO_TRAIN_BACKEND`; an optional KV simulation rounds K/V as the cache does (straight-through).
 
@@ -17,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from model.kernels.cuda_attention import AttentionVariant, sparse_attention_cuda, v7_applies
 from model.kernels.indexer import check_varlen_args
 
 try:  # Triton is optional on CPU machines: without it every call takes the torch path.
@@ -39,6 +41,7 @@ from model.kv_cache import (
 
 # Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table
 # width, S keys of one sequence, NB key blocks (= pages), K selected blocks.
+ATTENTION_VARIANTS = AttentionVariant.__args__  # decode kernels: "v6" Triton (default), "v7" CUDA (opt-in)
 TrainBackend = Literal["auto", "triton", "flex", "torch"]
 TRAIN_BACKENDS = ("auto", "triton", "flex", "torch")
 # (needs grad, G >= 16) -> the measured-faster kernel on CUDA: `benchmarks/training_kernels.py --attn`
@@ -149,13 +152,18 @@ def sparse_attention(
     selected_TNK: torch.Tensor | None = None,
     *,
     softmax_scale: float,
+    variant: AttentionVariant = "v6",
 ) -> torch.Tensor:
     """Attention of T varlen tokens over their sequences' paged K/V -> [T, H, C].
 
     q_THC: normed + roped queries; kv_cache: the layer's K/V pages (already holding these
     tokens' keys); selected_TNK: the indexer's blocks per KV group, left-packed and -1 padded, never
     past the query's block (None = all blocks, dense; the Triton kernel stops at slot pos // page + 1).
+    variant: "v6" (the default) the Triton kernels; "v7" the CUDA kernel where `cuda_attention.v7_applies`
+    (CUDA, NVFP4 pages of head dim 128, bf16 q, G <= 16), else as "v6".
     """
+    if variant not in ATTENTION_VARIANTS:
+        raise ValueError(f"sparse_attention: variant must be one of {ATTENTION_VARIANTS}, got {variant!r}")
     if q_THC.ndim != 3 or not q_THC.is_floating_point():
         raise ValueError(f"q_THC must be a float [T, H, C] tensor, got {tuple(q_THC.shape)} {q_THC.dtype}")
     T, H, C = q_THC.shape
@@ -172,6 +180,11 @@ def sparse_attention(
     ):
         raise ValueError(f"selected_TNK must be an integer [T={T}, N={N}, K] tensor, got "
                          f"{tuple(selected_TNK.shape)} {selected_TNK.dtype}")  # fmt: skip
+    if variant == "v7" and v7_applies(q_THC, kv_cache):
+        return sparse_attention_cuda(
+            q_THC, kv_cache, block_tables_BP, seq_idx_T, positions_T, selected_TNK,
+            softmax_scale=softmax_scale,
+        )  # fmt: skip
     if (
         triton_available is not None
         and triton_available(q_THC)
