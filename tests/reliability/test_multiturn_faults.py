@@ -59,7 +59,7 @@ def ray_local():
     if not cached_base(BASE, {"tool_share": 1.0, "mix_steps": 0, "copy_weight": 8.0}):
         # Every example a `python` call of one of the programs: 150 steps of a calculator / python mix
         # left sampled calls malformed (tags never closed), so no program reached the sandbox.
-        build_tools_base(BASE, tool_share=1.0, python_share=1.0, max_steps=300, mix_steps=0,
+        build_tools_base(BASE, tool_share=1.0, python_share=1.0, max_steps=200, mix_steps=0,
                          eval_every=10**9, num_eval=8, python_codes=HOSTILE)  # fmt: skip
     from tests.conftest import start_local_ray
 
