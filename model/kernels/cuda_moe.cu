@@ -67,10 +67,12 @@
 
 #include <stdint.h>
 
+#include "cuda_memory.cuh"
 #include "cuda_nvfp4.cuh"
 
 namespace cuda_moe {
 
+using namespace cuda_mem;
 using namespace nvfp4_mma;
 
 constexpr int MT = 4;     // 16-row tiles per CTA (64 output features)
@@ -111,25 +113,9 @@ struct Params {
   float alpha, limit;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp_async_code(uint32_t dst, const uint8_t* src) {
   // weights: read once per launch, past L1 (.cg); the 256-byte L2 prefetch covers the next round
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_scale(uint32_t dst, const uint8_t* src) {
-  // a 32-byte sector of scales serves two rounds: kept in L1 (.ca)
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_v4(const uint16_t* p) {
@@ -169,12 +155,12 @@ struct Copier {
         for (int i = 0; i < 4; ++i)
           cp_async_code(stage + m * MAT_BYTES + w_dst + i * 16 * LINE, w[m] + i * w_step + round * LINE);
     }
-    if (s_chunk < chunks_left) {
+    if (s_chunk < chunks_left) {  // cp_async4 (.ca): a 32-byte sector of scales serves two rounds
 #pragma unroll
       for (int m = 0; m < NMAT; ++m)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          cp_async_scale(stage + m * MAT_BYTES + s_dst + i * 32 * 16, s[m] + i * s_step + round * 16);
+          cp_async4(stage + m * MAT_BYTES + s_dst + i * 32 * 16, s[m] + i * s_step + round * 16);
     }
   }
 };
@@ -367,12 +353,7 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
     float* mine = p.part + ((blockIdx.y * n_units + unit) * NV) * THREADS + tid;
 #pragma unroll
     for (int j = 0; j < NV; ++j) mine[j * THREADS] = v[j];
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) ticket = atomicAdd(p.counters + unit, 1);
-    __syncthreads();
-    if (ticket != p.split - 1) return;
-    __threadfence();
+    if (!last_ticket(p.counters, unit, p.split, ticket)) return;
 #pragma unroll
     for (int j = 0; j < NV; ++j) v[j] = 0.f;
     for (int s = 0; s < p.split; ++s) {
