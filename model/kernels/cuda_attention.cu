@@ -124,22 +124,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
   return d;
 }
 
-// Scale bytes of key a (low byte) and key b (next byte) -> the bf16x2 multiplier {s_a, s_b} * 2^119.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t pair) {
-  uint32_t h2;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h2) : "r"(pair));
-  float lo, hi;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
-  return pack_bf16x2(lo * 0x1p119f, hi * 0x1p119f);
-}
-
-// Nibble 0 (ODD = 0) or 1 (ODD = 1) of each 16-bit half of q -> bf16x2 e2m1 * 2^-126 (cuda_nvfp4.cuh).
-template <int ODD>
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t q) {
-  return ODD ? ((q & 0x00F000F0u) * 0x0104u) & 0x81C081C0u : ((q & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
-}
-
 __device__ __forceinline__ int sig(int x) { return 2 * (x & 1) + (x >> 1); }
 
 // --------------------------------------------------------------------------------------- Q . K
@@ -389,6 +373,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
         for (int bb = 0; bb < 2; ++bb) {
           const uint4* src = reinterpret_cast<const uint4*>(qrow + 16 * (b0 + 2 * bb));
           const uint4 v0 = __ldg(src), v1 = __ldg(src + 1);
+          // cuda_nvfp4.cuh's b_fragments, written out: through the helper the PTX registers of the
+          // softmax state are numbered in another order and ptxas assigns other registers.
           const uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // value pairs
 #pragma unroll
           for (int i = 0; i < 4; ++i) {

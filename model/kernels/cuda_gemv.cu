@@ -101,12 +101,6 @@ __device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, uint32
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  uint16_t h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-}
-
 __device__ __forceinline__ uint16_t f16_bits(float v) {
   uint16_t h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -145,21 +139,13 @@ __device__ __forceinline__ void issue_chunk(const Copies<NT>& cp, int c, uint32_
 template <int NT>
 __device__ __forceinline__ void compute_chunk(const uint8_t* st, int g, int t, uint32_t x_off0, uint32_t x_off1,
                                               uint32_t sel, float (&acc)[MT][NT][4]) {
-  // x word j = inputs (2j, 2j + 1) of the lane's block; step i takes inputs b, b + 4 (B reg 0) and
-  // b + 1, b + 5 (B reg 1), b = 8 (i >> 1) + 2 (i & 1): words w = b / 2 and w + 2, low or high halves.
-  uint32_t xb[NT][8];
+  uint32_t xb[NT][4][2];  // the lane's 16 x values of each n-tile's row: b_fragments
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const uint8_t* xs = st + W_BYTES + S_BYTES + j * 1024;
     const uint4 x0 = *reinterpret_cast<const uint4*>(xs + x_off0);
     const uint4 x1 = *reinterpret_cast<const uint4*>(xs + x_off1);
-    const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int w = 4 * (i >> 1) + (i & 1);
-      xb[j][2 * i] = __byte_perm(xw[w], xw[w + 2], 0x5410);
-      xb[j][2 * i + 1] = __byte_perm(xw[w], xw[w + 2], 0x7632);
-    }
+    b_fragments(x0, x1, xb[j]);
   }
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) {
@@ -167,17 +153,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* st, int g, int t, u
     const uint2 wg = *reinterpret_cast<const uint2*>(codes);          // row g, block t
     const uint2 wg8 = *reinterpret_cast<const uint2*>(codes + 256);   // row g + 8
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(st + W_BYTES) + 16 * tt + g;
-    uint32_t s_g, s_g8;
-    scale_splats(__byte_perm(sw[0], sw[8], sel), s_g, s_g8);  // byte t of rows g, g + 8
-    const uint32_t qg[2] = {wg.x, wg.y}, qg8[2] = {wg8.x, wg8.y};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
-      uint32_t a[4];
-      decode_a(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) mma_bf16(acc[tt][j], a, xb[j][2 * i], xb[j][2 * i + 1]);
-    }
+    chunk_tile_mma<NT>(wg, wg8, __byte_perm(sw[0], sw[8], sel), xb, acc[tt]);  // scale byte t of rows g, g + 8
   }
 }
 

@@ -158,13 +158,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
     for (int bb = 0; bb < 2; ++bb) {
       const uint4* src = reinterpret_cast<const uint4*>(qrow + 16 * (t + 4 * bb));
       const uint4 v0 = __ldg(src), v1 = __ldg(src + 1);
-      const uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // value pairs
+      uint32_t b[4][2];  // then copied: b_fragments into bq in place renumbers the PTX (other SASS)
+      b_fragments(v0, v1, b);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t lo = wv[4 * (i >> 1) + (i & 1)], hi = wv[4 * (i >> 1) + (i & 1) + 2];
-        bq[4 * bb + i][0] = __byte_perm(lo, hi, 0x5410);
-        bq[4 * bb + i][1] = __byte_perm(lo, hi, 0x7632);
-      }
+      for (int i = 0; i < 4; ++i) bq[4 * bb + i][0] = b[i][0], bq[4 * bb + i][1] = b[i][1];
     }
   } else {
 #pragma unroll

@@ -130,12 +130,6 @@ __device__ __forceinline__ float bf16_round(float v) {
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
 
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  uint16_t h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
-}
-
 // One thread's share of a round's copies, global -> a stage: per matrix 4 code pieces (rows
 // 16 i + tid / 8, 16-byte unit u = tid % 8 of the row's 128-byte round line) and 2 scale words (rows
 // 32 i + tid / 4, chunk tid % 4). Pieces of chunks at or past c_end are not copied (never read).
@@ -170,20 +164,9 @@ struct Copier {
 template <int NMAT, int NB>
 __device__ __forceinline__ void compute_chunk(const uint8_t* stage, uint32_t code, uint32_t scale, uint32_t sel,
                                               const uint4 (&x)[NB][2], float (&acc)[NMAT][MT][NB][4]) {
-  // x word j = inputs (2j, 2j + 1) of the lane's block; step i takes inputs b, b + 4 (B reg 0) and
-  // b + 1, b + 5 (B reg 1), b = 8 (i >> 1) + 2 (i & 1): words w = b / 2 and w + 2, low or high halves.
-  uint32_t xb[NB][8];
+  uint32_t xb[NB][4][2];  // the lane's 16 x values of each column group's row: b_fragments
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const uint32_t xw[8] = {x[nb][0].x, x[nb][0].y, x[nb][0].z, x[nb][0].w,
-                            x[nb][1].x, x[nb][1].y, x[nb][1].z, x[nb][1].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int w = 4 * (i >> 1) + (i & 1);
-      xb[nb][2 * i] = __byte_perm(xw[w], xw[w + 2], 0x5410);
-      xb[nb][2 * i + 1] = __byte_perm(xw[w], xw[w + 2], 0x7632);
-    }
-  }
+  for (int nb = 0; nb < NB; ++nb) b_fragments(x[nb][0], x[nb][1], xb[nb]);
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
 #pragma unroll
@@ -194,17 +177,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* stage, uint32_t cod
       const uint8_t* s = stage + m * MAT_BYTES + CODE_BYTES + scale + tt * 16 * 16;
       const uint32_t sw_g = *reinterpret_cast<const uint32_t*>(s);
       const uint32_t sw_g8 = *reinterpret_cast<const uint32_t*>(s + 8 * 16);
-      uint32_t s_g, s_g8;
-      scale_splats(__byte_perm(sw_g, sw_g8, sel), s_g, s_g8);
-      const uint32_t qg[2] = {wg.x, wg.y}, qg8[2] = {wg8.x, wg8.y};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
-        uint32_t a[4];
-        decode_a(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) mma_bf16(acc[m][tt][nb], a, xb[nb][2 * i], xb[nb][2 * i + 1]);
-      }
+      chunk_tile_mma<NB>(wg, wg8, __byte_perm(sw_g, sw_g8, sel), xb, acc[m][tt]);
     }
   }
 }
