@@ -389,8 +389,8 @@ def _check_gemv(x, w, label, out_dtype=torch.bfloat16, reduce="ticket"):
     once (same shape, same split: the same sums); vs `nvfp4_linear_ref` (bf16 weights, bf16 matmul) at
     most 1% of max |y|: two bf16 output roundings (2^-9 |y| each) and the reference's bf16 weight
     rounding (2^-9 per weight, random signs: ~2^-9 of |y|'s rms per output) stay below ~0.6%."""
+    from model.kernels.cuda_common import split_counters
     from model.kernels.nvfp4_linear import nvfp4_linear_ref
-    from model.kernels.triton_gemv import split_counters
 
     outs = {}
     for dtype in {torch.float32, out_dtype}:
@@ -494,7 +494,7 @@ def test_cluster_reduction_matches_and_equals_tickets_at_the_same_split(N, K):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_and_leaves_counters_at_zero(reduce):
-    from model.kernels.triton_gemv import split_counters
+    from model.kernels.cuda_common import split_counters
 
     w = random_nvfp4(6144, 6144, "cuda", seed=9)
     for m in (1, 13, 40):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from model import nvfp4
+from model.kernels.cuda_common import ragged_tables, random_nvfp4_rows
 from model.kernels.cuda_indexer import (
     CHUNK,
     HEAD_DIM,
@@ -30,8 +31,6 @@ from model.kernels.cuda_indexer import (
     k_of,
     key_of_row,
     plan_splits,
-    ragged_tables,
-    random_nvfp4_pages,
     v7_applies,
 )
 from model.kernels.indexer import index_select_blocks_ref, select_blocks
@@ -378,7 +377,7 @@ def _gpu_case(B, ctx, page, N, seed, ragged=True, special=True):
         lens[0] = ctx  # the longest row reaches the table's width
     table, n_pages = ragged_tables(lens, page, gen, spare_cols=2, spare_pages=3)  # -1 past every row
     dev = torch.device("cuda")
-    pages = random_nvfp4_pages(n_pages, page, dev, torch.Generator(device=dev).manual_seed(seed), special)
+    pages = random_nvfp4_rows((n_pages, page), dev, torch.Generator(device=dev).manual_seed(seed), special)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16).to(dev)
     seq = torch.arange(B, dtype=torch.int32, device=dev)
     pos = torch.tensor(lens, device=dev).long() - 1

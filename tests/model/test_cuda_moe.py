@@ -416,8 +416,8 @@ def _routing(T, E, K, gen, device):
 
 def _check(x, ids, w, bank, label, with_ref=True):
     from model.kernels import cuda_moe
+    from model.kernels.cuda_common import split_counters
     from model.kernels.moe import moe_experts_ref, moe_experts_torch
-    from model.kernels.triton_gemv import split_counters
     from model.kernels.triton_moe import moe_nvfp4_triton
 
     cuda_moe.POISON_INTERMEDIATES = True
@@ -485,7 +485,7 @@ def test_16_and_8_row_blocks_give_the_same_bits(shape, T, monkeypatch):
     MMAs on the same registers, so the outputs are equal bit for bit (T = 1 at M3 widths: the split-K
     path with 16-row partials); counters back at 0."""
     from model.kernels import cuda_moe
-    from model.kernels.triton_gemv import split_counters
+    from model.kernels.cuda_common import split_counters
 
     E, D, F, K = (8, 128, 64, 2) if shape == "tiny" else (128, 6144, 3072, 4)
     bank = _bank(E, D, F, T, "cuda")
