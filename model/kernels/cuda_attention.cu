@@ -56,10 +56,12 @@
 
 #include <stdint.h>
 
+#include "cuda_memory.cuh"
 #include "cuda_nvfp4.cuh"
 
 namespace cuda_attention {
 
+using namespace cuda_mem;
 using namespace nvfp4_mma;
 
 constexpr int C = 128;                        // head dim (the only one served)
@@ -102,62 +104,12 @@ struct Params {
   int bt64, seq64, pos64, sel64;
 };
 
-__device__ __forceinline__ long long load_index(const void* p, long long i, int is64) {
-  return is64 ? static_cast<const long long*>(p)[i] : static_cast<long long>(static_cast<const int*>(p)[i]);
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-
 // Lane 0: one unit (K rows at k_src, V rows at k_src + v_off) into a stage, completing on its mbarrier.
 __device__ __forceinline__ void tma_unit(uint32_t dst, const uint8_t* k_src, long long v_off, uint32_t bar,
                                          uint64_t policy) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(STAGE_BYTES)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(k_src), "r"(SIDE_BYTES), "r"(bar), "l"(policy) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst + SIDE_BYTES), "l"(k_src + v_off), "r"(SIDE_BYTES), "r"(bar), "l"(policy) : "memory");
-}
-
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t lds8(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
+  mbar_expect_tx(bar, STAGE_BYTES);
+  tma_load(dst, k_src, SIDE_BYTES, bar, policy);
+  tma_load(dst + SIDE_BYTES, k_src + v_off, SIDE_BYTES, bar, policy);
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -170,22 +122,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
   uint32_t d;  // 8 x 8 b16 matrix in the mma C / A fragment layout -> its transpose, same layout
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
   return d;
-}
-
-// Scale bytes of key a (low byte) and key b (next byte) -> the bf16x2 multiplier {s_a, s_b} * 2^119.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t pair) {
-  uint32_t h2;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h2) : "r"(pair));
-  float lo, hi;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
-  return pack_bf16x2(lo * 0x1p119f, hi * 0x1p119f);
-}
-
-// Nibble 0 (ODD = 0) or 1 (ODD = 1) of each 16-bit half of q -> bf16x2 e2m1 * 2^-126 (cuda_nvfp4.cuh).
-template <int ODD>
-__device__ __forceinline__ uint32_t nibble_pair(uint32_t q) {
-  return ODD ? ((q & 0x00F000F0u) * 0x0104u) & 0x81C081C0u : ((q & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
 }
 
 __device__ __forceinline__ int sig(int x) { return 2 * (x & 1) + (x >> 1); }
@@ -407,10 +343,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
 
   uint64_t policy = 0;
   if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    mbar_init_ring<STAGES>(bar0);
+    policy = evict_first_policy();
   }
   __syncwarp();
   for (int s = 0; s < min(STAGES, n_valid); ++s) {
@@ -439,6 +373,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
         for (int bb = 0; bb < 2; ++bb) {
           const uint4* src = reinterpret_cast<const uint4*>(qrow + 16 * (b0 + 2 * bb));
           const uint4 v0 = __ldg(src), v1 = __ldg(src + 1);
+          // cuda_nvfp4.cuh's b_fragments, written out: through the helper the PTX registers of the
+          // softmax state are numbered in another order and ptxas assigns other registers.
           const uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // value pairs
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -579,7 +515,7 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
       long long off;
       next_unit(k0, off);
       if (lane == 0) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_proxy_async();
         stage_key0[warp][s] = k0;
         tma_unit(stage, k_base + off, p.stride_ph, bar0 + 8 * s, policy);
       }
@@ -631,12 +567,7 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) sparse_attn_kernel(const
     mine[64 * 32 + 16 + g] = ll[0];
     mine[64 * 32 + 16 + g + 8] = ll[1];
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) ticket = atomicAdd(p.counters + pair, 1);
-  __syncthreads();
-  if (ticket != active - 1) return;
-  __threadfence();
+  if (!last_ticket(p.counters, pair, active, ticket)) return;
   // Last CTA of the pair: the splits' partials, in split order.
   const float* base = p.part + pair * p.splits * PART_FLOATS;
   merge_parts<true>(base + 64 * 32, base, PART_FLOATS, active, warp, lane, v, mm, ll);

@@ -16,8 +16,8 @@ selected blocks, dense when `selected` is None; a group with no visible key give
 and V equal `nvfp4.kv_dequantize` exactly, every product is exact in fp32, P is rounded to bf16 for
 P.V (the row sums use fp32 P), the output to bf16. Splits are merged by log-sum-exp in split order: no
 atomics on data, deterministic, no host sync, CUDA-graph safe after a first call (which compiles the
-extension and allocates the split counters). Imported on CPU (tests emulate the lanes); compiled only
-on CUDA.
+extension and takes the stream's split counters, `cuda_common.split_counters`). Imported on CPU
+(tests emulate the lanes); compiled only on CUDA.
 """
 
 from __future__ import annotations
@@ -30,7 +30,15 @@ from typing import Literal
 
 import torch
 
-from model.kernels.cuda_common import graph_us, load_kernels
+from model.kernels.cuda_common import (
+    device_info,
+    graph_us,
+    index_tensor,
+    load_kernels,
+    ragged_tables,
+    random_nvfp4_rows,
+    split_counters,
+)
 from model.kv_cache import NVFP4_DTYPES, PagedKV
 
 # Legend: T tokens, H query heads, N kv heads, G = H / N, C head dim, B sequences, P block-table width,
@@ -98,50 +106,16 @@ def plan_splits(n_pairs: int, n_slots: int, page: int, n_sms: int, waves: int = 
 @functools.cache
 def _extension(capability: tuple[int, int]):
     """The compiled kernel (`cuda_common.load_kernels`)."""
-    if capability < (9, 0):
-        raise RuntimeError(f"sparse_attention_cuda needs sm_90+ (cp.async.bulk, mbarriers), got {capability}")
     decl = (
         "void sparse_attn_launch(torch::Tensor q, torch::Tensor pages, torch::Tensor bt, torch::Tensor seq, "
         "torch::Tensor pos, torch::Tensor sel, torch::Tensor k_scale, torch::Tensor v_scale, "
         "double sm_scale_log2, torch::Tensor out, torch::Tensor part, torch::Tensor counters, "
         "int64_t heads, int64_t ups, int64_t splits);"
     )
-    return load_kernels("cuda_attention", decl, ("sparse_attn_launch",), capability)
-
-
-@functools.cache
-def _device_info(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
-
-
-COUNTER_SLOTS, COUNTER_LEN = 8, 1 << 16  # streams per device with a pre-zeroed slot, pairs per slot
-_COUNTER_POOLS: dict[str, torch.Tensor] = {}
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters (>= n), one buffer per (device, stream) so that launches on two
-    streams never share one, kept between calls: every launch leaves its counters at 0. A new stream
-    takes the next slot of a device pool zeroed on the device's first call, so a capture on a fresh
-    stream (torch.cuda.graph's side stream) allocates and zeroes nothing inside the graph; past
-    COUNTER_SLOTS streams or COUNTER_LEN pairs a buffer of its own (warm up on the capture stream)."""
-    if device.index is None:  # "cuda" and "cuda:0" must share one buffer
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        pool = _COUNTER_POOLS.get(key[0])
-        if pool is None:
-            pool = _COUNTER_POOLS[key[0]] = torch.zeros(COUNTER_SLOTS, COUNTER_LEN, dtype=torch.int32,
-                                                        device=device)  # fmt: skip
-        used = sum(1 for k in _COUNTERS if k[0] == key[0])
-        if buf is None and used < COUNTER_SLOTS and n <= COUNTER_LEN:
-            buf = pool[used]
-        else:
-            buf = torch.zeros(max(n, COUNTER_LEN), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    return load_kernels(
+        "cuda_attention", decl, ("sparse_attn_launch",), capability,
+        op="sparse_attention_cuda", min_capability=(9, 0), needs="cp.async.bulk, mbarriers",
+    )  # fmt: skip
 
 
 def v7_applies(q_THC: torch.Tensor, kv_cache: PagedKV) -> bool:
@@ -150,7 +124,7 @@ def v7_applies(q_THC: torch.Tensor, kv_cache: PagedKV) -> bool:
     pages = kv_cache.pages
     if not (q_THC.is_cuda and pages.is_cuda) or kv_cache.dtype not in NVFP4_DTYPES:
         return False
-    if _device_info(q_THC.device.index or 0)[0] < (9, 0):
+    if device_info(q_THC.device)[0] < (9, 0):
         return False
     if q_THC.ndim != 3 or q_THC.dtype != torch.bfloat16 or q_THC.shape[2] != HEAD_DIM:
         return False
@@ -161,12 +135,6 @@ def v7_applies(q_THC: torch.Tensor, kv_cache: PagedKV) -> bool:
         H % N == 0 and H // N <= MAX_GROUP_HEADS and pages.shape[2] % UNIT == 0
         and pages.is_contiguous() and pages.data_ptr() % 16 == 0
     )  # fmt: skip
-
-
-def _index_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"sparse_attention_cuda: {name} must be int32 or int64, got {x.dtype}")
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.compiler.disable(recursive=True)
@@ -211,14 +179,16 @@ def sparse_attention_cuda(
         return out_THC
     if selected_TNK is not None and selected_TNK.shape[2] == 0:  # no slots: no key (the launcher
         return out_THC.zero_()  # reads an empty selection as a dense walk)
-    block_tables_BP = _index_tensor(block_tables_BP, "block_tables_BP")
-    seq_idx_T, positions_T = _index_tensor(seq_idx_T, "seq_idx_T"), _index_tensor(positions_T, "positions_T")
+    op = "sparse_attention_cuda"
+    block_tables_BP = index_tensor(block_tables_BP, op, "block_tables_BP")
+    seq_idx_T = index_tensor(seq_idx_T, op, "seq_idx_T")
+    positions_T = index_tensor(positions_T, op, "positions_T")
     if selected_TNK is None:
         sel, n_slots = torch.empty(0, dtype=torch.int32, device=dev), block_tables_BP.shape[1]
     else:
-        sel, n_slots = _index_tensor(selected_TNK, "selected_TNK"), selected_TNK.shape[2]
+        sel, n_slots = index_tensor(selected_TNK, op, "selected_TNK"), selected_TNK.shape[2]
     k_scale, v_scale = (s.reshape(1).float() for s in (kv_cache.k_scale, kv_cache.v_scale))
-    capability, n_sms = _device_info(dev.index or 0)
+    capability, n_sms = device_info(dev)
     splits, ups = plan_splits(T * N, n_slots, page, n_sms, waves)
     if splits > 1:
         part = torch.empty(T * N * splits * PART_FLOATS, dtype=torch.float32, device=dev)
@@ -233,21 +203,13 @@ def sparse_attention_cuda(
 
 
 # ------------------------------------------------------------------------------------------ self-check
-def random_nvfp4_pages(n_pages: int, N: int, page: int, device, gen: torch.Generator) -> torch.Tensor:
-    """Random packed NVFP4 K/V rows uint8 [n_pages, 2N, page, 72]: every code, scales in [4, 64]."""
-    codes = torch.randint(0, 256, (n_pages, 2 * N, page, HEAD_DIM // 2), generator=gen, device=device,
-                          dtype=torch.uint8)  # fmt: skip
-    scales = torch.rand(n_pages, 2 * N, page, HEAD_DIM // 16, generator=gen, device=device) * 60 + 4
-    return torch.cat([codes, scales.to(torch.float8_e4m3fn).view(torch.uint8)], dim=-1).contiguous()
-
-
 def decode_problem(B: int, ctx: int, N: int, G: int, K: int, device, seed: int, page: int = 128):
     """M3-style decode inputs: B sequences of ctx tokens (one query each, at ctx - 1), per-group
     selections of K distinct blocks (the query's own block first), a random page permutation."""
     gen = torch.Generator(device=device).manual_seed(seed)
     nb = -(-ctx // page)
     table = torch.randperm(B * nb, generator=gen, device=device).int().view(B, nb)
-    kv = PagedKV(random_nvfp4_pages(B * nb, N, page, device, gen), "nvfp4",
+    kv = PagedKV(random_nvfp4_rows((B * nb, 2 * N, page), device, gen), "nvfp4",
                  torch.tensor(0.01, device=device), torch.tensor(0.02, device=device), HEAD_DIM)  # fmt: skip
     q = torch.randn(B, N * G, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     seq = torch.arange(B, dtype=torch.int32, device=device)
@@ -359,30 +321,44 @@ def _check_case(B, lens, G, K, seed, dense=False, calib=448.0) -> dict:
                 finite=bool(torch.isfinite(got).all()))  # fmt: skip
 
 
-def ragged_problem(lens: list[int], N: int, G: int, K: int, page: int, gen: torch.Generator, calib: float):
-    """CPU inputs from real K / V (kv_quantize at global amax / calib) for sequences of `lens` tokens,
-    one query each at its last position, random selections of up to K distinct visible blocks (slot
-    order shuffled, -1 padded) and group 0 of row 0 with none; table padded with -1."""
-    from model.kernels.cuda_indexer import ragged_tables
+def quantized_kv(n_pages: int, page: int, N: int, gen: torch.Generator, calib: float, dtype: str = "nvfp4",
+                 head_dim: int = HEAD_DIM) -> PagedKV:  # fmt: skip
+    """A CPU paged K / V cache (pages [n_pages, 2N, page, row bytes]) from real values, k ~ 2 N(0, 1)
+    and v ~ N(0, 1) quantized (`quantize_kv`) at global scales amax / calib (448: block scales <= 74.7;
+    2688, the weight rule: block scales up to 448)."""
     from model.kv_cache import quantize_kv
 
-    table, n_pages = ragged_tables(lens, page, gen)
-    k = torch.randn(n_pages, page, N, HEAD_DIM, generator=gen) * 2
-    v = torch.randn(n_pages, page, N, HEAD_DIM, generator=gen)
+    k = torch.randn(n_pages, page, N, head_dim, generator=gen) * 2
+    v = torch.randn(n_pages, page, N, head_dim, generator=gen)
     ks, vs = torch.tensor(float(k.abs().max()) / calib), torch.tensor(float(v.abs().max()) / calib)
-    stored = torch.stack([quantize_kv(k, "nvfp4", ks), quantize_kv(v, "nvfp4", vs)], dim=3)
-    pages = stored.reshape(n_pages, page, 2 * N, -1).transpose(1, 2).contiguous()  # [P, 2N, page, 72]
+    stored = torch.stack([quantize_kv(k, dtype, ks), quantize_kv(v, dtype, vs)], dim=3)
+    pages = stored.reshape(n_pages, page, 2 * N, -1).transpose(1, 2).contiguous()  # [P, 2N, page, X]
+    return PagedKV(pages, dtype, ks, vs, head_dim)
+
+
+def visible_selections(pos_T: torch.Tensor, N: int, K: int, page: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, N, K] int64: per query row and group, up to K distinct blocks among the row's visible ones
+    (0 .. pos // page; none at pos -1) in shuffled slot order, -1 padded."""
+    sel = torch.full((len(pos_T), N, K), -1, dtype=torch.long)
+    for t in range(len(pos_T)):
+        nb = int(pos_T[t]) // page + 1
+        for n in range(N):
+            pick = torch.randperm(nb, generator=gen)[:K]
+            sel[t, n, : len(pick)] = pick
+    return sel
+
+
+def ragged_problem(lens: list[int], N: int, G: int, K: int, page: int, gen: torch.Generator, calib: float):
+    """CPU inputs from real K / V (`quantized_kv`) for sequences of `lens` tokens, one query each at its
+    last position, `visible_selections` of up to K blocks and group 0 of row 0 with none; table padded
+    with -1."""
+    table, n_pages = ragged_tables(lens, page, gen)
+    kv = quantized_kv(n_pages, page, N, gen, calib)
     B = len(lens)
     q = (torch.randn(B, N * G, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
     pos = torch.tensor(lens).long() - 1
-    sel = torch.full((B, N, K), -1, dtype=torch.long)
-    for b in range(B):
-        nb = int(pos[b]) // page + 1
-        for n in range(N):
-            pick = torch.randperm(nb, generator=gen)[:K]
-            sel[b, n, : len(pick)] = pick
+    sel = visible_selections(pos, N, K, page, gen)
     sel[0, 0] = -1
-    kv = PagedKV(pages, "nvfp4", ks, vs, HEAD_DIM)
     return q, kv, table, torch.arange(B, dtype=torch.int32), pos, sel
 
 

@@ -47,10 +47,12 @@
 #include <cooperative_groups.h>
 #include <stdint.h>
 
+#include "cuda_memory.cuh"
 #include "cuda_nvfp4.cuh"
 
 namespace cuda_gemv {
 
+using namespace cuda_mem;
 using namespace nvfp4_mma;
 
 constexpr int MT = 4;     // 16-row weight tiles per CTA (64 output features)
@@ -90,10 +92,6 @@ struct Params {
   int m, n_out, n_in, split, out_kind;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp16_stream(uint32_t dst, const void* src, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2;"
                ::"r"(dst), "l"(src), "l"(policy) : "memory");
@@ -101,23 +99,6 @@ __device__ __forceinline__ void cp16_stream(uint32_t dst, const void* src, uint6
 
 __device__ __forceinline__ void cp16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  uint16_t h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
 }
 
 __device__ __forceinline__ uint16_t f16_bits(float v) {
@@ -143,8 +124,8 @@ __device__ __forceinline__ void issue_chunk(const Copies<NT>& cp, int c, uint32_
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) cp16_stream(stage + tt * 512 + 16 * lane, w + (size_t)(16 * tt) * cp.w_row, policy);
   const uint8_t* s = cp.s + (size_t)c * (CHUNK / 16);
-  cp4(stage + W_BYTES + 4 * lane, s);
-  cp4(stage + W_BYTES + 4 * (lane + 32), s + 32 * cp.s_row);
+  cp_async4(stage + W_BYTES + 4 * lane, s);
+  cp_async4(stage + W_BYTES + 4 * (lane + 32), s + 32 * cp.s_row);
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -158,21 +139,13 @@ __device__ __forceinline__ void issue_chunk(const Copies<NT>& cp, int c, uint32_
 template <int NT>
 __device__ __forceinline__ void compute_chunk(const uint8_t* st, int g, int t, uint32_t x_off0, uint32_t x_off1,
                                               uint32_t sel, float (&acc)[MT][NT][4]) {
-  // x word j = inputs (2j, 2j + 1) of the lane's block; step i takes inputs b, b + 4 (B reg 0) and
-  // b + 1, b + 5 (B reg 1), b = 8 (i >> 1) + 2 (i & 1): words w = b / 2 and w + 2, low or high halves.
-  uint32_t xb[NT][8];
+  uint32_t xb[NT][4][2];  // the lane's 16 x values of each n-tile's row: b_fragments
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const uint8_t* xs = st + W_BYTES + S_BYTES + j * 1024;
     const uint4 x0 = *reinterpret_cast<const uint4*>(xs + x_off0);
     const uint4 x1 = *reinterpret_cast<const uint4*>(xs + x_off1);
-    const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int w = 4 * (i >> 1) + (i & 1);
-      xb[j][2 * i] = __byte_perm(xw[w], xw[w + 2], 0x5410);
-      xb[j][2 * i + 1] = __byte_perm(xw[w], xw[w + 2], 0x7632);
-    }
+    b_fragments(x0, x1, xb[j]);
   }
 #pragma unroll
   for (int tt = 0; tt < MT; ++tt) {
@@ -180,17 +153,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* st, int g, int t, u
     const uint2 wg = *reinterpret_cast<const uint2*>(codes);          // row g, block t
     const uint2 wg8 = *reinterpret_cast<const uint2*>(codes + 256);   // row g + 8
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(st + W_BYTES) + 16 * tt + g;
-    uint32_t s_g, s_g8;
-    scale_splats(__byte_perm(sw[0], sw[8], sel), s_g, s_g8);  // byte t of rows g, g + 8
-    const uint32_t qg[2] = {wg.x, wg.y}, qg8[2] = {wg8.x, wg8.y};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
-      uint32_t a[4];
-      decode_a(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) mma_bf16(acc[tt][j], a, xb[j][2 * i], xb[j][2 * i + 1]);
-    }
+    chunk_tile_mma<NT>(wg, wg8, __byte_perm(sw[0], sw[8], sel), xb, acc[tt]);  // scale byte t of rows g, g + 8
   }
 }
 
@@ -222,8 +185,7 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
   }
   cp.x_dst[0] = 128 * g + 16 * ((2 * t) ^ (g & 1));
   cp.x_dst[1] = 128 * g + 16 * ((2 * t + 1) ^ (g & 1));
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const uint64_t policy = evict_first_policy();
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -240,22 +202,22 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (i < n_mine) issue_chunk<NT>(cp, c_first + WARPS * i, ring_s + i * S::STAGE, lane, policy);
-    cp_commit();
+    cp_async_commit();
   }
   const uint32_t sel = t | ((t + 4) << 4);  // prmt: byte t of the row-g word, byte t of the row-(g + 8) word
   int rd = 0, wr = STAGES - 1;
   for (int i = 0; i < n_mine; ++i) {
-    cp_wait<STAGES - 2>();  // this lane's copies of chunk i are in shared memory
+    cp_async_wait<STAGES - 2>();  // this lane's copies of chunk i are in shared memory
     __syncwarp();           // ... every lane's; and every lane is done reading stage wr (chunk i - 1)
     if (i + STAGES - 1 < n_mine) {
       issue_chunk<NT>(cp, c_first + WARPS * (i + STAGES - 1), ring_s + wr * S::STAGE, lane, policy);
     }
-    cp_commit();
+    cp_async_commit();
     compute_chunk<NT>(ring + rd * S::STAGE, g, t, cp.x_dst[0], cp.x_dst[1], sel, acc);
     rd = rd + 1 == STAGES ? 0 : rd + 1;
     wr = wr + 1 == STAGES ? 0 : wr + 1;
   }
-  cp_wait<0>();
+  cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring: the reduction reuses the shared memory
 
   // Warp partials -> shared memory [warp][tile][n-tile][c r][lane]; thread (warp w, lane) then owns
@@ -312,12 +274,7 @@ __global__ void __launch_bounds__(THREADS, Shape<NT>::CTAS_PER_SM) gemv_kernel(c
 #pragma unroll
     for (int i = 0; i < NV; ++i)
       if (valid[i]) mine[i * THREADS] = v[i];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(p.counters + blockIdx.x, 1);
-    __syncthreads();
-    if (ticket != p.split - 1) return;
-    __threadfence();
+    if (!last_ticket(p.counters, blockIdx.x, p.split, ticket)) return;
 #pragma unroll
     for (int i = 0; i < NV; ++i) v[i] = 0.f;
     for (int sp = 0; sp < p.split; ++sp) {

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from model.kernels.cuda_common import graph_us, load_kernels
+from model.kernels.cuda_common import device_info, graph_us, load_kernels, split_counters
 
 # Legend: m rows of x (MMA N side, 8 per n-tile), K input features, N output features; W as stored:
 # packed uint8 [N, K/2] (low nibble = even input), scales e4m3 [N, K/16], scale_2 fp32 (one value).
@@ -86,18 +86,12 @@ def last_reduction() -> str:
 @functools.cache
 def _extension(capability: tuple[int, int]):
     """The compiled kernel (`cuda_common.load_kernels`)."""
-    if capability < (8, 9):
-        raise RuntimeError(f"nvfp4_gemv_cuda needs sm_89+ (cvt e4m3x2 -> f16x2), got {capability}")
     decl = (
         "int64_t gemv_launch(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor sc2, "
         "torch::Tensor out, torch::Tensor part, torch::Tensor counters, int64_t split, bool cluster);"
     )
-    return load_kernels("cuda_gemv", decl, ("gemv_launch",), capability)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return load_kernels("cuda_gemv", decl, ("gemv_launch",), capability, op="nvfp4_gemv_cuda",
+                        min_capability=(8, 9), needs="cvt e4m3x2 -> f16x2")  # fmt: skip
 
 
 def gemv_supported(x_MK: torch.Tensor, packed_NK2: torch.Tensor, scales_NK16: torch.Tensor) -> bool:
@@ -171,10 +165,8 @@ def nvfp4_gemv_cuda(
         return out_MN
     if x_MK.stride(0) % 8 or x_MK.data_ptr() % 16:  # the kernel copies x rows in 16-byte pieces
         x_MK = x_MK.clone(memory_format=torch.contiguous_format)
-    from model.kernels.triton_gemv import split_counters
-
-    ext = _extension(torch.cuda.get_device_capability(x_MK.device))
-    n_sms = _sm_count(x_MK.device.index if x_MK.device.index is not None else torch.cuda.current_device())
+    capability, n_sms = device_info(x_MK.device)
+    ext = _extension(capability)
     scale_bytes, sc2 = scales_NK16.view(torch.uint8), scale_2.reshape(1)
     groups = N // TILE_N
     counters = split_counters(x_MK.device, groups)
@@ -241,7 +233,7 @@ def _selftest(shapes: list[tuple[int, int]], rows: list[int], copies: int, reps:
             scale = exact.abs().max().item()
             got = nvfp4_gemv_cuda(x, *ws[0]).double()
             ticket_ran = last_reduction()
-            row = dict(N=N, K=K, m=m, split=split_k(N, K, min(m, ROWS_PER_LAUNCH), _sm_count(dev.index)))
+            row = dict(N=N, K=K, m=m, split=split_k(N, K, min(m, ROWS_PER_LAUNCH), device_info(dev)[1]))
             row["err_vs_exact"] = (got - exact).abs().max().item() / scale
             row["err_vs_ref"] = (got - nvfp4_linear_ref(x, *ws[0]).double()).abs().max().item() / scale
             row["deterministic"] = bool(torch.equal(nvfp4_gemv_cuda(x, *ws[0]), nvfp4_gemv_cuda(x, *ws[0])))

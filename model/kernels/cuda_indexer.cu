@@ -39,10 +39,12 @@
 
 #include <stdint.h>
 
+#include "cuda_memory.cuh"
 #include "cuda_nvfp4.cuh"
 
 namespace cuda_indexer {
 
+using namespace cuda_mem;
 using namespace nvfp4_mma;
 
 constexpr int C = 128;                       // index head dim (the only one served)
@@ -73,43 +75,7 @@ struct Params {
   int bt64, seq64, pos64;
 };
 
-__device__ __forceinline__ long long load_index(const void* p, long long i, int is64) {
-  return is64 ? static_cast<const long long*>(p)[i] : static_cast<long long>(static_cast<const int*>(p)[i]);
-}
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xFF800000); }
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
-
-// Lane 0: one chunk, global -> shared, completing `bytes` of transactions on the stage's mbarrier.
-__device__ __forceinline__ void tma_chunk(uint32_t dst, const void* src, uint32_t bar, uint64_t policy) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(STAGE_BYTES)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(src), "r"(STAGE_BYTES), "r"(bar), "l"(policy) : "memory");
-}
-
-__device__ __forceinline__ uint2 lds64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
 
 // One 16-key tile: `row` = shared address of this lane's row g (row g + 8 is 2 rows further).
 __device__ __forceinline__ void tile_scores(uint32_t row, uint32_t off_t, uint32_t sel, const uint32_t (&bq)[8][2],
@@ -164,10 +130,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
   const void* bt_row = static_cast<const uint8_t*>(p.bt) + seq * p.stride_bb * (p.bt64 ? 8 : 4);
   uint64_t policy = 0;
   if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    mbar_init_ring<STAGES>(bar0);
+    policy = evict_first_policy();
   }
   __syncwarp();
   // Lane 0's producer: the warp's chunks in order (block blk0 + WARPS j, rows CHUNK sub ...), chunk c
@@ -176,7 +140,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
   auto issue = [&]() {
     const long long page_id = load_index(bt_row, next_blk, p.bt64);
     const uint8_t* src = p.pages + page_id * p.stride_pp + next_sub * STAGE_BYTES;
-    tma_chunk(ring + next_stage * STAGE_BYTES, src, bar0 + 8 * next_stage, policy);
+    mbar_expect_tx(bar0 + 8 * next_stage, STAGE_BYTES);  // one chunk, completing on its stage's mbarrier
+    tma_load(ring + next_stage * STAGE_BYTES, src, STAGE_BYTES, bar0 + 8 * next_stage, policy);
     if (++next_sub == cpb) next_sub = 0, next_blk += WARPS;
     if (++next_stage == STAGES) next_stage = 0;
   };
@@ -193,13 +158,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
     for (int bb = 0; bb < 2; ++bb) {
       const uint4* src = reinterpret_cast<const uint4*>(qrow + 16 * (t + 4 * bb));
       const uint4 v0 = __ldg(src), v1 = __ldg(src + 1);
-      const uint32_t wv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};  // value pairs
+      uint32_t b[4][2];  // then copied: b_fragments into bq in place renumbers the PTX (other SASS)
+      b_fragments(v0, v1, b);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t lo = wv[4 * (i >> 1) + (i & 1)], hi = wv[4 * (i >> 1) + (i & 1) + 2];
-        bq[4 * bb + i][0] = __byte_perm(lo, hi, 0x5410);
-        bq[4 * bb + i][1] = __byte_perm(lo, hi, 0x7632);
-      }
+      for (int i = 0; i < 4; ++i) bq[4 * bb + i][0] = b[i][0], bq[4 * bb + i][1] = b[i][1];
     }
   } else {
 #pragma unroll
@@ -256,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) index_scores_kernel(cons
     // Every lane has consumed stage s (its accumulators are used above): lane 0 refills it.
     __syncwarp();
     if (lane == 0 && c + STAGES < n_chunks) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      fence_proxy_async();
       issue();
     }
     if (++sub == cpb) sub = 0, blk += WARPS;

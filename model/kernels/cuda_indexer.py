@@ -28,7 +28,14 @@ import json
 
 import torch
 
-from model.kernels.cuda_common import graph_us, load_kernels
+from model.kernels.cuda_common import (
+    device_info,
+    graph_us,
+    index_tensor,
+    load_kernels,
+    ragged_tables,
+    random_nvfp4_rows,
+)
 
 # Legend: T query rows, N index heads, C index head dim, B sequences, P block-table width, K top-k.
 # Mirrors of the kernel's constants (cuda_indexer.cu).
@@ -73,21 +80,14 @@ def plan_splits(n_rows: int, n_blocks: int, n_sms: int, waves: int = WAVES) -> t
 @functools.cache
 def _extension(capability: tuple[int, int]):
     """The compiled kernel (`cuda_common.load_kernels`)."""
-    if capability < (9, 0):
-        raise RuntimeError(
-            f"index_block_scores_cuda needs sm_90+ (cp.async.bulk, mbarrier tx), got {capability}"
-        )
     decl = (
         "void index_scores_launch(torch::Tensor q, torch::Tensor pages, torch::Tensor bt, torch::Tensor seq, "
         "torch::Tensor pos, torch::Tensor scale, torch::Tensor out, int64_t bps, int64_t splits);"
     )
-    return load_kernels("cuda_indexer", decl, ("index_scores_launch",), capability)
-
-
-@functools.cache
-def _device_info(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
+    return load_kernels(
+        "cuda_indexer", decl, ("index_scores_launch",), capability,
+        op="index_block_scores_cuda", min_capability=(9, 0), needs="cp.async.bulk, mbarrier tx",
+    )  # fmt: skip
 
 
 def v7_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bool:
@@ -95,7 +95,7 @@ def v7_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bo
     72-byte rows (16-byte aligned pages of a multiple of 64 tokens), bf16 queries, <= 8 heads."""
     if not (index_q_TNC.is_cuda and pages.is_cuda) or dtype not in ("nvfp4", "nvfp4_4over6"):
         return False
-    if _device_info(index_q_TNC.device.index or 0)[0] < (9, 0):
+    if device_info(index_q_TNC.device)[0] < (9, 0):
         return False
     _, N, C = index_q_TNC.shape
     return (
@@ -105,12 +105,6 @@ def v7_applies(index_q_TNC: torch.Tensor, pages: torch.Tensor, dtype: str) -> bo
         and pages.stride(2) == 1 and pages.stride(1) == ROW_BYTES and pages.stride(0) % 16 == 0
         and pages.data_ptr() % 16 == 0
     )  # fmt: skip
-
-
-def _index_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"index_block_scores_cuda: {name} must be int32 or int64, got {x.dtype}")
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.compiler.disable(recursive=True)
@@ -147,12 +141,14 @@ def index_block_scores_cuda(
             raise ValueError(f"index_block_scores_cuda: {name} on {x.device}, q on {index_q_TNC.device}")
     if T == 0 or P == 0:
         return out_TNP
-    block_tables_BP = _index_tensor(block_tables_BP, "block_tables_BP")
-    seq_idx_T, positions_T = _index_tensor(seq_idx_T, "seq_idx_T"), _index_tensor(positions_T, "positions_T")
+    op = "index_block_scores_cuda"
+    block_tables_BP = index_tensor(block_tables_BP, op, "block_tables_BP")
+    seq_idx_T = index_tensor(seq_idx_T, op, "seq_idx_T")
+    positions_T = index_tensor(positions_T, op, "positions_T")
     scale = scale.reshape(1)
     if scale.dtype != torch.float32:
         scale = scale.float()
-    capability, n_sms = _device_info(index_q_TNC.device.index or 0)
+    capability, n_sms = device_info(index_q_TNC.device)
     splits, bps = plan_splits(T, P, n_sms, waves)
     _extension(capability).index_scores_launch(
         index_q_TNC, pages, block_tables_BP, seq_idx_T, positions_T, scale, out_TNP, bps, splits
@@ -161,23 +157,6 @@ def index_block_scores_cuda(
 
 
 # ------------------------------------------------------------------------------------------ self-check
-def random_nvfp4_pages(
-    n_pages: int, page: int, device, gen: torch.Generator, special: bool = False
-) -> torch.Tensor:
-    """Random packed NVFP4 index rows uint8 [n_pages, page, 72]: every code; scales in [4, 64], or
-    (special) every non-NaN e4m3 byte 0x00-0x7E (zero, the subnormals 0x01-0x07, 448 = 0x7E)."""
-    packed = torch.randint(
-        0, 256, (n_pages, page, HEAD_DIM // 2), generator=gen, device=device, dtype=torch.uint8
-    )
-    if special:
-        sbytes = torch.randint(0, 0x7F, (n_pages, page, HEAD_DIM // 16), generator=gen, device=device,
-                               dtype=torch.uint8)  # fmt: skip
-    else:
-        scales = torch.rand(n_pages, page, HEAD_DIM // 16, generator=gen, device=device) * 60 + 4
-        sbytes = scales.to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([packed, sbytes], dim=-1)
-
-
 def block_scores_ref(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, positions_T) -> torch.Tensor:
     """Block scores [T, N, P] in torch (fp32 dequantized keys, `indexer.index_select_blocks_ref`'s
     numerics); -inf where a block is past the row's own block."""
@@ -197,28 +176,12 @@ def block_scores_ref(index_q_TNC, pages, scale, block_tables_BP, seq_idx_T, posi
     return out
 
 
-def ragged_tables(lens: list[int], page: int, gen: torch.Generator, spare_cols: int = 1,
-                  spare_pages: int = 1) -> tuple[torch.Tensor, int]:  # fmt: skip
-    """Block tables int32 [B, max pages + spare_cols] over shuffled page ids, -1 padded, for sequences
-    of `lens` tokens, and the page count (`spare_pages` unused pages besides): the tests' and the
-    self-check's paged layouts."""
-    n_used = [-(-int(n) // page) for n in lens]
-    n_pages = sum(n_used) + spare_pages
-    perm = torch.randperm(n_pages, generator=gen)
-    table = torch.full((len(lens), max(n_used) + spare_cols), -1, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(n_used):
-        table[b, :n] = perm[at : at + n].int()
-        at += n
-    return table, n_pages
-
-
 def _case(B: int, ctx: int, page: int, N: int, gen: torch.Generator, ragged: bool, special: bool, dev):
     """Inputs of B sequences of up to ctx tokens (ragged: random lengths), block tables padded with -1."""
     lens = torch.randint(1, ctx + 1, (B,), generator=gen).tolist() if ragged else [ctx] * B
     lens[0] = ctx  # the longest row reaches the table's width
     table, n_pages = ragged_tables(lens, page, gen)
-    pages = random_nvfp4_pages(n_pages, page, dev, torch.Generator(device=dev).manual_seed(B + ctx), special)
+    pages = random_nvfp4_rows((n_pages, page), dev, torch.Generator(device=dev).manual_seed(B + ctx), special)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16).to(dev)
     seq = torch.arange(B, dtype=torch.int32)
     pos = torch.tensor(lens).long() - 1

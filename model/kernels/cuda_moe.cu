@@ -67,10 +67,12 @@
 
 #include <stdint.h>
 
+#include "cuda_memory.cuh"
 #include "cuda_nvfp4.cuh"
 
 namespace cuda_moe {
 
+using namespace cuda_mem;
 using namespace nvfp4_mma;
 
 constexpr int MT = 4;     // 16-row tiles per CTA (64 output features)
@@ -111,25 +113,9 @@ struct Params {
   float alpha, limit;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp_async_code(uint32_t dst, const uint8_t* src) {
   // weights: read once per launch, past L1 (.cg); the 256-byte L2 prefetch covers the next round
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_scale(uint32_t dst, const uint8_t* src) {
-  // a 32-byte sector of scales serves two rounds: kept in L1 (.ca)
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_v4(const uint16_t* p) {
@@ -142,12 +128,6 @@ __device__ __forceinline__ float bf16_round(float v) {
   uint16_t h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
   return __uint_as_float(static_cast<uint32_t>(h) << 16);
-}
-
-__device__ __forceinline__ uint16_t bf16_bits(float v) {
-  uint16_t h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  return h;
 }
 
 // One thread's share of a round's copies, global -> a stage: per matrix 4 code pieces (rows
@@ -169,12 +149,12 @@ struct Copier {
         for (int i = 0; i < 4; ++i)
           cp_async_code(stage + m * MAT_BYTES + w_dst + i * 16 * LINE, w[m] + i * w_step + round * LINE);
     }
-    if (s_chunk < chunks_left) {
+    if (s_chunk < chunks_left) {  // cp_async4 (.ca): a 32-byte sector of scales serves two rounds
 #pragma unroll
       for (int m = 0; m < NMAT; ++m)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          cp_async_scale(stage + m * MAT_BYTES + s_dst + i * 32 * 16, s[m] + i * s_step + round * 16);
+          cp_async4(stage + m * MAT_BYTES + s_dst + i * 32 * 16, s[m] + i * s_step + round * 16);
     }
   }
 };
@@ -184,20 +164,9 @@ struct Copier {
 template <int NMAT, int NB>
 __device__ __forceinline__ void compute_chunk(const uint8_t* stage, uint32_t code, uint32_t scale, uint32_t sel,
                                               const uint4 (&x)[NB][2], float (&acc)[NMAT][MT][NB][4]) {
-  // x word j = inputs (2j, 2j + 1) of the lane's block; step i takes inputs b, b + 4 (B reg 0) and
-  // b + 1, b + 5 (B reg 1), b = 8 (i >> 1) + 2 (i & 1): words w = b / 2 and w + 2, low or high halves.
-  uint32_t xb[NB][8];
+  uint32_t xb[NB][4][2];  // the lane's 16 x values of each column group's row: b_fragments
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const uint32_t xw[8] = {x[nb][0].x, x[nb][0].y, x[nb][0].z, x[nb][0].w,
-                            x[nb][1].x, x[nb][1].y, x[nb][1].z, x[nb][1].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int w = 4 * (i >> 1) + (i & 1);
-      xb[nb][2 * i] = __byte_perm(xw[w], xw[w + 2], 0x5410);
-      xb[nb][2 * i + 1] = __byte_perm(xw[w], xw[w + 2], 0x7632);
-    }
-  }
+  for (int nb = 0; nb < NB; ++nb) b_fragments(x[nb][0], x[nb][1], xb[nb]);
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
 #pragma unroll
@@ -208,17 +177,7 @@ __device__ __forceinline__ void compute_chunk(const uint8_t* stage, uint32_t cod
       const uint8_t* s = stage + m * MAT_BYTES + CODE_BYTES + scale + tt * 16 * 16;
       const uint32_t sw_g = *reinterpret_cast<const uint32_t*>(s);
       const uint32_t sw_g8 = *reinterpret_cast<const uint32_t*>(s + 8 * 16);
-      uint32_t s_g, s_g8;
-      scale_splats(__byte_perm(sw_g, sw_g8, sel), s_g, s_g8);
-      const uint32_t qg[2] = {wg.x, wg.y}, qg8[2] = {wg8.x, wg8.y};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int sh = 8 * (i & 1);  // odd steps: nibbles 2, 3, 6, 7 of the word
-        uint32_t a[4];
-        decode_a(qg[i >> 1] >> sh, qg8[i >> 1] >> sh, s_g, s_g8, a);
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) mma_bf16(acc[m][tt][nb], a, xb[nb][2 * i], xb[nb][2 * i + 1]);
-      }
+      chunk_tile_mma<NB>(wg, wg8, __byte_perm(sw_g, sw_g8, sel), xb, acc[m][tt]);
     }
   }
 }
@@ -367,12 +326,7 @@ __global__ void __launch_bounds__(THREADS, 3) moe_mma_kernel(const Params p) {
     float* mine = p.part + ((blockIdx.y * n_units + unit) * NV) * THREADS + tid;
 #pragma unroll
     for (int j = 0; j < NV; ++j) mine[j * THREADS] = v[j];
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) ticket = atomicAdd(p.counters + unit, 1);
-    __syncthreads();
-    if (ticket != p.split - 1) return;
-    __threadfence();
+    if (!last_ticket(p.counters, unit, p.split, ticket)) return;
 #pragma unroll
     for (int j = 0; j < NV; ++j) v[j] = 0.f;
     for (int s = 0; s < p.split; ++s) {

@@ -39,7 +39,7 @@ import json
 
 import torch
 
-from model.kernels.cuda_common import eager_us, graph_us, load_kernels
+from model.kernels.cuda_common import device_info, eager_us, graph_us, load_kernels, split_counters
 
 # Legend: T tokens, D model dim, F expert ffn dim, E experts, K top-k, S = T*K slots, MB row blocks of
 # RB = 8 or 16 slot rows, N / I a projection's output / input features. Weights as the bank stores them:
@@ -59,8 +59,6 @@ POISON_INTERMEDIATES = False  # tests set True: act and y start as NaN, so a mis
 @functools.cache
 def _extension(capability: tuple[int, int]):
     """The compiled kernels (`cuda_common.load_kernels`)."""
-    if capability < (8, 9):
-        raise RuntimeError(f"moe_nvfp4_mma needs sm_89+ (cvt e4m3x2 -> f16x2), got {capability}")
     tensors = ["x", "rows", "block_expert", "router_w", "wa", "sa", "sc2a", "wb", "sb", "sc2b", "out", "part",
                "counters"]  # fmt: skip
     decl = (
@@ -68,7 +66,8 @@ def _extension(capability: tuple[int, int]):
         "int64_t n_in, int64_t topk, int64_t split, double alpha, double limit, bool glu, "
         "int64_t rows_per_block);"
     )
-    return load_kernels("cuda_moe", decl, ("moe_mma_launch",), capability)
+    return load_kernels("cuda_moe", decl, ("moe_mma_launch",), capability, op="moe_nvfp4_mma",
+                        min_capability=(8, 9), needs="cvt e4m3x2 -> f16x2")  # fmt: skip
 
 
 def split_k(n_blocks: int, n_out: int, n_in: int, n_sms: int) -> int:
@@ -116,11 +115,8 @@ def _canonical(name: str, w: tuple, shape: tuple) -> tuple[torch.Tensor, torch.T
 def _launch(ext, x, rows, block_expert, router_w, wa, wb, out, n_active, topk, glu, alpha, limit, rb):
     (wa_w, wa_s, wa_2), (wb_w, wb_s, wb_2) = wa, wb
     n_out, n_in = wa_w.shape[1], 2 * wa_w.shape[2]
-    n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split = split_k(n_active, n_out, n_in, n_sms)
+    split = split_k(n_active, n_out, n_in, device_info(x.device)[1])
     n_units = block_expert.numel() * (n_out // TILE_N)
-    from model.kernels.triton_gemv import split_counters
-
     counters = split_counters(x.device, n_units)
     n_part = split * n_units * (8 if glu else 4) * (rb // ROW_BLOCK) * 128 if split > 1 else 1
     part = torch.empty((n_part,), dtype=torch.float32, device=x.device)
@@ -182,7 +178,7 @@ def moe_nvfp4_mma(
     S = T * K
     if S == 0:
         return out_TD.zero_() if shared_TD is None else out_TD.zero_().add_(shared_TD)
-    ext = _extension(torch.cuda.get_device_capability(x_TD.device))
+    ext = _extension(device_info(x_TD.device)[0])
     rb = rows_per_block(S, E)
     rows, block_expert = _group_by_expert(topk_ids_TK.reshape(-1), E, block_rows=rb)
     act = _scratch((rows.numel(), F), torch.bfloat16, x_TD.device)

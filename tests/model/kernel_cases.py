@@ -395,28 +395,18 @@ def _scores_close(got, q, ic, table, seq, pos, page):
 def _attn_problem(dtype, N, G, C, page, lens, width, K, rows_per, gen, device, empty_row=False, calib=448):
     """`calib`: the global scales are amax / calib (448: block scales <= 74.7; 2688, the weight rule:
     block scales up to 448, so e2m1 x scale reaches 2688)."""
-    from model.kv_cache import PagedKV, quantize_kv
+    from model.kernels.cuda_attention import quantized_kv, visible_selections
+    from model.kv_cache import PagedKV
 
     table, n_pages = _ragged_tables(lens, page, width, gen)
-    k = torch.randn(n_pages, page, N, C, generator=gen) * 2
-    v = torch.randn(n_pages, page, N, C, generator=gen)
-    ks, vs = torch.tensor(float(k.abs().max()) / calib), torch.tensor(float(v.abs().max()) / calib)
-    stored = torch.stack([quantize_kv(k, dtype, ks), quantize_kv(v, dtype, vs)], dim=3)
-    pages = stored.reshape(n_pages, page, 2 * N, -1).transpose(1, 2).contiguous()  # [P, 2N, page, X]
+    kv = quantized_kv(n_pages, page, N, gen, calib, dtype, C)
     seq, pos = _rows(lens, rows_per, gen)
-    T = len(seq)
-    q = torch.randn(T, N * G, C, generator=gen).to(torch.bfloat16)
-    sel = torch.full((T, N, K), -1, dtype=torch.long)
-    for t in range(T):
-        nb = int(pos[t]) // page + 1
-        for n in range(N):
-            pick = torch.randperm(nb, generator=gen)[:K]
-            sel[t, n, : len(pick)] = pick
+    q = torch.randn(len(seq), N * G, C, generator=gen).to(torch.bfloat16)
+    sel = visible_selections(pos, N, K, page, gen)
     if empty_row:
         sel[0, 0] = -1
-    kv = PagedKV(pages, dtype, ks, vs, C)
     cpu = (q, kv, table, seq, pos, torch.tensor(lens), sel)
-    kv_dev = PagedKV(pages.to(device), dtype, ks.to(device), vs.to(device), C)
+    kv_dev = PagedKV(kv.pages.to(device), dtype, kv.k_scale.to(device), kv.v_scale.to(device), C)
     dev = (q.to(device), kv_dev, table.to(device), seq.to(device), pos.to(device), None, sel.to(device))
     return cpu, dev
 

@@ -41,64 +41,30 @@ from model.kernels.cuda_attention import (
     sig,
     sparse_attention_cuda,
     v7_applies,
+    visible_selections,
 )
 from model.kernels.sparse_attention import sparse_attention, sparse_attention_ref
 from model.kv_cache import PagedKV
-from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
+from tests.model.mma_layouts import (
+    a_row_col,
+    b_fragments,
+    b_row_col,
+    bf16_halves,
+    bmul,
+    byte_perm,
+    c_row_col,
+    decode_a,
+    nibble_pair,
+    scale_x2119,
+    special_rows,
+    u32,
+)
 
-MASK32 = 0xFFFFFFFF
-DECODE_MASK = 0x81C081C0
 NEG_BIG = -1.0e30
 REF_SLACK = 8.0
 
 
 # ------------------------------------------------------------------------------------------ bit helpers
-def u32(rows_u8: torch.Tensor, offset: int) -> torch.Tensor:
-    """Little-endian 32-bit word at byte `offset` of each row: uint8 [..., 72] -> int64 [...]."""
-    b = rows_u8[..., offset : offset + 4].long()
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-
-
-def byte_perm(x: torch.Tensor, y: torch.Tensor, sel: int) -> torch.Tensor:
-    """CUDA __byte_perm: result byte n = byte (sel >> 4n) & 7 of the 8 bytes {y : x}."""
-    both = [(x >> (8 * n)) & 0xFF for n in range(4)] + [(y >> (8 * n)) & 0xFF for n in range(4)]
-    out = torch.zeros_like(x)
-    for n in range(4):
-        out |= both[(sel >> (4 * n)) & 7] << (8 * n)
-    return out
-
-
-def bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 32-bit registers -> (low, high) bf16 halves as fp64 values (subnormals kept)."""
-    to = lambda h: (h << 16).to(torch.int32).view(torch.float32).double()
-    return to(r & 0xFFFF), to((r >> 16) & 0xFFFF)
-
-
-def is_bf16(v: torch.Tensor) -> bool:
-    as_f32 = v.float().double()
-    return bool(torch.equal(v.float().to(torch.bfloat16).double(), v)) and bool(torch.equal(as_f32, v))
-
-
-def e4m3_x2119(byte: torch.Tensor) -> torch.Tensor:
-    """An e4m3 scale byte -> s * 2^119 (fp64), checked to be a bf16 value (what the splat holds)."""
-    v = byte.to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**119
-    assert is_bf16(v), "s * 2^119 must be a bf16"
-    return v
-
-
-def nibble_pair(q: torch.Tensor, odd: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's `nibble_pair` / `decode_a` integer part: nibble 0 (odd = 0) or 1 of each half of
-    q -> (low, high) fp64 values of the bf16x2 register (e2m1 * 2^-126)."""
-    raw = ((q & 0x00F000F0) * 0x0104) if odd else ((q & 0x000F000F) * 0x1040)
-    return bf16_halves(raw & DECODE_MASK & MASK32)
-
-
-def bmul(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    out = v * s
-    assert is_bf16(out), "the bf16x2 multiply must be exact"
-    return out
-
-
 def to_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.float().to(torch.bfloat16).double()
 
@@ -107,7 +73,7 @@ def to_bf16(x: torch.Tensor) -> torch.Tensor:
 def lane_k_registers(tile_u8: torch.Tensor, g: int, t: int) -> list[list[tuple]]:
     """Lane (g, t)'s Q.K A registers for the 8 k-steps of a 16-key tile (uint8 [..., 16, 72] as
     staged): `unit_scores`' loads (blocks b0, b0 + 2 at byte 8 b0 and + 16, the scale word at 64 +
-    4 (t >> 1), prmt selectors) and `decode_a`. [step][reg] = (low, high) fp64."""
+    4 (t >> 1), prmt selectors), `scale_splats` and `decode_a`. [step][reg] = (low, high) fp64."""
     kg = 4 * sig(g >> 1) + 2 * (g & 1)
     rows = [tile_u8[..., kg, :], tile_u8[..., kg + 1, :]]  # rows g and g + 8 of the MMA
     b0 = qk_block(t, 0)
@@ -117,16 +83,12 @@ def lane_k_registers(tile_u8: torch.Tensor, g: int, t: int) -> list[list[tuple]]
     steps = []
     for bb in range(2):
         pair = byte_perm(sg, sh, sels[bb])
-        s_g, s_g8 = e4m3_x2119(pair & 0xFF), e4m3_x2119((pair >> 8) & 0xFF)
+        s_g, s_g8 = scale_x2119(pair & 0xFF), scale_x2119((pair >> 8) & 0xFF)
         for w in range(2):
             xg, xh = u32(rows[0], 8 * b0 + 16 * bb + 4 * w), u32(rows[1], 8 * b0 + 16 * bb + 4 * w)
             for p in range(2):
                 qg, qh = (xg >> 8, xh >> 8) if p else (xg, xh)
-                regs = []
-                for q, s, odd in ((qg, s_g, 0), (qh, s_g8, 0), (qg, s_g, 1), (qh, s_g8, 1)):
-                    lo, hi = nibble_pair(q, odd)
-                    regs.append((bmul(lo, s), bmul(hi, s)))
-                steps.append(regs)
+                steps.append(decode_a(qg, qh, s_g, s_g8))
     return steps
 
 
@@ -159,11 +121,8 @@ def query_fragments(q_GC: torch.Tensor) -> list[list[list[int]]]:
             for bb in range(2):
                 seg = bits[h, 16 * qk_block(t, bb) : 16 * qk_block(t, bb) + 16]
                 wv = [int(seg[2 * m]) | (int(seg[2 * m + 1]) << 16) for m in range(8)]
-                for i in range(4):
-                    lo = torch.tensor(wv[4 * (i >> 1) + (i & 1)])
-                    hi = torch.tensor(wv[4 * (i >> 1) + (i & 1) + 2])
-                    out[4 * bb + i][lane][2 * nt] = int(byte_perm(lo, hi, 0x5410))
-                    out[4 * bb + i][lane][2 * nt + 1] = int(byte_perm(lo, hi, 0x7632))
+                for i, regs in enumerate(b_fragments(wv)):
+                    out[4 * bb + i][lane][2 * nt : 2 * nt + 2] = regs
     return out
 
 
@@ -239,7 +198,7 @@ def lane_v_registers(tile_u8: torch.Tensor, g: int, t: int, lim: int = 3) -> lis
     vk = 4 * sig(t)
     rows = [tile_u8[vk + x] for x in range(4)]
     sb = [rows[x][64 + g].long() if x <= lim else torch.tensor(0) for x in range(4)]
-    sp = [(e4m3_x2119(sb[j]), e4m3_x2119(sb[j + 2])) for j in range(2)]  # {key vk + j, vk + j + 2}
+    sp = [(scale_x2119(sb[j]), scale_x2119(sb[j + 2])) for j in range(2)]  # scale_pair: {vk + j, vk + j + 2}
     out = [[None, None] for _ in range(16)]
     for wd in range(2):
         ql, qh = [], []
@@ -299,17 +258,6 @@ def emulate_pv(tile_u8: torch.Tensor, p_kh: torch.Tensor) -> torch.Tensor:
                 r, col = c_row_col(i, g, t)
                 out[r, pv_dim(jn, col)] = D[r, col]
     return out
-
-
-def special_rows(n: int, gen: torch.Generator) -> torch.Tensor:
-    """uint8 [n, 72] rows: random codes, scale bytes covering zero, the subnormals 0x01-0x07, 448 and
-    negative scales (no NaN)."""
-    rows = torch.randint(0, 256, (n, ROW_BYTES), generator=gen, dtype=torch.uint8)
-    sb = rows[:, 64:]
-    sb[(sb & 0x7F) == 0x7F] = 0x7E
-    sb[:2] = torch.tensor([0, 1, 2, 3, 5, 7, 0x7E, 0x08, 0x80, 0xFE, 0x81, 0x06, 0x7D, 0x40, 0x38, 0x00],
-                          dtype=torch.uint8).view(2, 8)  # fmt: skip
-    return rows
 
 
 # ------------------------------------------------------------------------------------------ CPU: maps
@@ -645,12 +593,7 @@ def test_v7_verify_rows_of_one_sequence():
     T = 10
     pos_t = torch.tensor([0, 1, 127, 128, 129, 2000, 4097, 4998, 4999, -1])
     gen = torch.Generator().manual_seed(3)
-    sel_t = torch.full((T, 2, 16), -1, dtype=torch.long)
-    for t in range(T):
-        nb = int(pos_t[t]) // 128 + 1
-        for n in range(2):
-            pick = torch.randperm(nb, generator=gen)[:16]
-            sel_t[t, n, : len(pick)] = pick
+    sel_t = visible_selections(pos_t, 2, 16, 128, gen)
     q_t = (torch.randn(T, 32, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
     seq_t = torch.zeros(T, dtype=torch.int32)
     want = sparse_attention_ref(q_t, cpu[1], cpu[2], seq_t, pos_t, torch.tensor([5000]), sel_t,

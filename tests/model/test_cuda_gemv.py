@@ -2,12 +2,13 @@
 
 CPU: an emulation of each lane written from the kernel's index arithmetic: its cp.async copies
 (global byte offset -> stage offset) and its shared reads (stage offset -> registers), then the
-kernel's integer decode, byte permutes and the PTX ISA fragment layouts of mma.m16n8k16
-(tests/model/mma_layouts.py), the chunk schedule over splits and warps, and the epilogue's row /
-feature map. It checks that the copies move every code and scale byte exactly once (16-byte aligned
-sources, whole 32-byte sectors per lane pair), that no two copies or reads of a stage collide, that
-the shared accesses are bank-conflict free, that the decoded A fragments are `nvfp4.dequantize`
-exactly (every code; zero, subnormal and 448 scales) and that the emulated kernel gives x @ W.T.
+kernel's integer decode, byte permutes, the PTX ISA fragment layouts of mma.m16n8k16 and the chunk's
+k map (tests/model/mma_layouts.py; the map is cuda_moe.cu's, checked in test_cuda_moe.py), the chunk
+schedule over splits and warps, and the epilogue's row / feature map. It checks that the copies move
+every code and scale byte exactly once (16-byte aligned sources, whole 32-byte sectors per lane pair),
+that no two copies or reads of a stage collide, that the shared accesses are bank-conflict free, that
+the decoded A fragments are `nvfp4.dequantize` exactly (every code; zero, subnormal and 448 scales)
+and that the emulated kernel gives x @ W.T.
 GPU (-m gpu): `nvfp4_gemv_cuda` against the exact fp64 product and `nvfp4_linear_ref` with a bound
 derived per element, m = 1..16 and beyond, real (6144 x 6144, 2048 x 6144, 6144 x 2048) and small
 shapes, poisoned outputs, split counters back at 0, CUDA-graph capture and replay, determinism,
@@ -30,14 +31,22 @@ from model.kernels.cuda_gemv import (
     random_nvfp4,
     split_k,
 )
-from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
+from tests.model.mma_layouts import (
+    a_row_col,
+    b_fragments,
+    b_row_col,
+    byte_perm,
+    c_row_col,
+    decode_a,
+    kappa_to_k,
+    scale_x2119,
+    special_weights,
+)
 
 # Mirrors of cuda_gemv.cu: a stage is codes [MT][16 rows][32 B], scales [64 rows][4 B], x [NT][8][128 B].
 MT = 4
 W_BYTES, S_BYTES = 2048, 256
 X_OFF = W_BYTES + S_BYTES
-MASK32 = 0xFFFFFFFF
-DECODE_MASK = 0x81C081C0
 
 
 def stage_bytes(nt: int) -> int:
@@ -101,11 +110,6 @@ def read_instructions(nt: int) -> dict[tuple, tuple[list[int], int]]:
     return reads
 
 
-def kappa_to_k(kappa: int, step: int, t: int) -> int:
-    """Input (within a 64-wide chunk) at MMA column kappa of step `step` for lanes of thread t."""
-    return 16 * t + 8 * (step >> 1) + 2 * (step & 1) + (kappa >= 8) + 4 * (kappa & 1)
-
-
 def wavefronts(offsets: list[int], width: int) -> int:
     """Shared-memory wavefronts of one warp access of `width` bytes per lane: lanes in groups of
     128 / width; a group costs the largest number of distinct 4-byte words in one bank (a word read
@@ -118,37 +122,8 @@ def wavefronts(offsets: list[int], width: int) -> int:
 
 
 # ------------------------------------------------------------------------------- lane emulation
-def byte_perm(a: int, b: int, sel: int) -> int:
-    """__byte_perm / prmt: result byte n = byte (sel >> 4n) & 7 of the 8 bytes {b : a}."""
-    src = (a & MASK32) | ((b & MASK32) << 32)
-    return sum(((src >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
-
-
 def bf16(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def is_bf16(v: float) -> bool:
-    return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).double().item() == v
-
-
-def e4m3(byte: int) -> float:
-    return torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
-
-
-def decode_a(qg: int, qg8: int, s_g: float, s_g8: float) -> list[tuple[float, float]]:
-    """cuda_nvfp4.cuh decode_a on words of rows g / g + 8: the (low, high) values of A registers 0..3,
-    each the exact bf16 product the bf16x2 FMA returns (checked representable)."""
-    lo, hi = (0x000F000F, 0x1040), (0x00F000F0, 0x0104)  # (mask, multiplier): nibbles 0, 4 / 1, 5
-    raws = [((q & mask) * mul) & DECODE_MASK for (mask, mul), q in ((lo, qg), (lo, qg8), (hi, qg), (hi, qg8))]
-    regs = []
-    for n, raw in enumerate(raws):
-        mult = (s_g8 if n & 1 else s_g) * 2.0**119
-        assert is_bf16(mult), "s * 2^119 must be a bf16"
-        halves = (bf16(raw) * mult, bf16(raw >> 16) * mult)
-        assert all(is_bf16(v) for v in halves), "the bf16 multiply must be exact"
-        regs.append(halves)
-    return regs
 
 
 def fill_stage(
@@ -169,8 +144,8 @@ def fill_stage(
 
 
 def lane_registers(stage: bytes, nt: int, lane: int):
-    """compute_chunk's registers of one lane: B (xb[j][0..7]) and per tile the A registers of the 4
-    steps, as float values."""
+    """compute_chunk's registers of one lane: B (xb[j][0..7], 32-bit ints) and per tile the A
+    registers of the 4 steps (`decode_a`: fp64 values)."""
     t = lane % 4
     reads = read_instructions(nt)
 
@@ -180,20 +155,17 @@ def lane_registers(stage: bytes, nt: int, lane: int):
     xb = []
     for j in range(nt):
         xw = [word(reads["x", j, h][0][lane] + 4 * i) for h in range(2) for i in range(4)]
-        regs = []
-        for i in range(4):
-            w = 4 * (i >> 1) + (i & 1)
-            regs += [byte_perm(xw[w], xw[w + 2], 0x5410), byte_perm(xw[w], xw[w + 2], 0x7632)]
-        xb.append(regs)
+        xb.append([reg for regs in b_fragments(xw) for reg in regs])
     a = []
     sel = t | ((t + 4) << 4)
     for tt in range(MT):
         wg = [word(reads["w", tt, 0][0][lane] + 4 * i) for i in range(2)]
         wg8 = [word(reads["w", tt, 1][0][lane] + 4 * i) for i in range(2)]
         pair = byte_perm(word(reads["s", tt, 0][0][lane]), word(reads["s", tt, 1][0][lane]), sel)
-        s_g, s_g8 = e4m3(pair & 0xFF), e4m3((pair >> 8) & 0xFF)
+        s_g, s_g8 = (scale_x2119(torch.tensor(b)) for b in (pair & 0xFF, (pair >> 8) & 0xFF))  # scale_splats
+        qg, qg8 = torch.tensor(wg), torch.tensor(wg8)
         a.append(
-            [decode_a(wg[i >> 1] >> (8 * (i & 1)), wg8[i >> 1] >> (8 * (i & 1)), s_g, s_g8) for i in range(4)]
+            [decode_a(qg[i >> 1] >> (8 * (i & 1)), qg8[i >> 1] >> (8 * (i & 1)), s_g, s_g8) for i in range(4)]
         )
     return xb, a
 
@@ -264,15 +236,6 @@ def emulate_gemv(packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, sp
     return y
 
 
-def special_weights(N: int, K: int, seed: int):
-    """Random codes (all 16) and scale bytes covering 0, the e4m3 subnormals 0x01-0x07 and 448."""
-    gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
-    sbytes = torch.randint(0, 0x7F, (N, K // 16), generator=gen, dtype=torch.uint8)  # 0x7F is NaN
-    sbytes.view(-1)[:8] = torch.tensor([0, 1, 2, 3, 5, 7, 0x7E, 0x08], dtype=torch.uint8)
-    return packed, sbytes.view(torch.float8_e4m3fn)
-
-
 # ------------------------------------------------------------------------------------------ CPU
 @pytest.mark.parametrize("kc, split", [(96, 4), (96, 12), (32, 4), (9, 4), (2, 1), (10, 3)])
 def test_chunk_schedule_gives_every_chunk_to_one_warp_of_its_split(kc, split):
@@ -318,19 +281,10 @@ def test_shared_reads_and_copies_are_bank_conflict_free(nt):
         assert wavefronts(offsets, width) == max(1, 32 * width // 128)
 
 
-def test_k_map_gives_a_lane_one_scale_block_and_a_and_b_the_same_columns():
-    for t in range(4):
-        ks = {kappa_to_k(kappa, i, t) for i in range(4) for kappa in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)}
-        assert ks == set(range(16 * t, 16 * t + 16))
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        assert {a_row_col(i, g, t)[1] for i in range(8)} == {b_row_col(i, g, t)[0] for i in range(4)}
-
-
 def test_lane_decode_from_the_stages_reproduces_dequantize_exactly():
     """Every code with zero, subnormal and 448 scales: the A fragments decoded from the emulated stages
     are e2m1 * s exactly (nvfp4.dequantize with scale_2 = 1)."""
-    packed, scales = special_weights(128, 128, 1)
+    packed, scales = special_weights((128,), 128, torch.Generator().manual_seed(1))
     assert {0, 1, 7, 0x7E} <= set(scales.view(torch.uint8).unique().tolist())
     want = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, torch.tensor(1.0)), torch.float32).double()
     assert torch.equal(emulate_weights(packed, scales), want)
@@ -341,7 +295,7 @@ def test_emulated_kernel_equals_the_matrix_product(m, split):
     """Copies, reads, decode, MMA layouts, schedule and epilogue together give x @ W.T (fp64; every
     output of the m rows written)."""
     N, K = 64, 384
-    packed, scales = special_weights(N, K, 2 + m)
+    packed, scales = special_weights((N,), K, torch.Generator().manual_seed(2 + m))
     gen = torch.Generator().manual_seed(m)
     x = (torch.randn(m, K, generator=gen) * 3).to(torch.bfloat16)
     W = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, torch.tensor(1.0)), torch.float32).double()
@@ -389,8 +343,8 @@ def _check_gemv(x, w, label, out_dtype=torch.bfloat16, reduce="ticket"):
     once (same shape, same split: the same sums); vs `nvfp4_linear_ref` (bf16 weights, bf16 matmul) at
     most 1% of max |y|: two bf16 output roundings (2^-9 |y| each) and the reference's bf16 weight
     rounding (2^-9 per weight, random signs: ~2^-9 of |y|'s rms per output) stay below ~0.6%."""
+    from model.kernels.cuda_common import split_counters
     from model.kernels.nvfp4_linear import nvfp4_linear_ref
-    from model.kernels.triton_gemv import split_counters
 
     outs = {}
     for dtype in {torch.float32, out_dtype}:
@@ -494,7 +448,7 @@ def test_cluster_reduction_matches_and_equals_tickets_at_the_same_split(N, K):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_and_leaves_counters_at_zero(reduce):
-    from model.kernels.triton_gemv import split_counters
+    from model.kernels.cuda_common import split_counters
 
     w = random_nvfp4(6144, 6144, "cuda", seed=9)
     for m in (1, 13, 40):
@@ -533,7 +487,7 @@ def test_nvfp4_linear_v7_dispatches_here_and_falls_back_elsewhere():
 def test_accumulation_bound_catches_one_lost_block_at_k_6144():
     """The GPU check must fail a kernel that lost one NVFP4 block of one row (a wrong offset or a
     skipped chunk): at K = 6144 the bound stays far below one block's share of a dot product."""
-    packed, scales = special_weights(64, 6144, 15)
+    packed, scales = special_weights((64,), 6144, torch.Generator().manual_seed(15))
     scales = (scales.view(torch.uint8) & 0x3F | 0x20).view(torch.float8_e4m3fn)  # normal scales 2^-2..1.875
     x = (torch.randn(2, 6144, generator=torch.Generator().manual_seed(16)) * 2).to(torch.bfloat16)
     W = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, torch.tensor(1.0)), torch.float32).double()

@@ -1,25 +1,21 @@
 """v7 CUDA NVFP4 indexer decode (model/kernels/cuda_indexer.py + cuda_indexer.cu).
 
 CPU: a torch emulation of each lane's registers (its shared-memory loads of raw 72-byte key rows, the
-kernel's integer decode and byte permutes, the mma.m16n8k16 fragment layouts of the PTX ISA written out
-below, `k_of` and `key_of_row`) reproduces `nvfp4.kv_dequantize` exactly (every E2M1 code; e4m3 zero,
-subnormal and 448 scales) and the query exactly; the emulated MMAs give the keys' dot products; the emulated
-warp loop (splits, chunks, causal mask, block max) gives `block_scores_ref` and, through `select_blocks`,
-`index_select_blocks_ref`'s selections. GPU (-m gpu): v7 scores and selections against the reference and the
-byte-wise tile kernel (v2) at B in {1, 4, 64}, short and long contexts, ragged lengths, -1 padded block
-tables, 3 / 4 / 8 heads, pages of 64 and 128; CUDA-graph capture and replay; determinism.
-
-PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID_in_group (g, t):
-  A a_i (i = 0..7, two per .b32 register, a_{2n} in the low half of register n):
-    row = g for i in {0, 1, 4, 5}, g + 8 otherwise; col = 2t + (i & 1) + 8 * (i >= 4)
-  B b_i (i = 0..3): row = 2t + (i & 1) + 8 * (i >= 2); col = g
-  C c_i (i = 0..3): row = g + 8 * (i >= 2); col = 2t + (i & 1)
+kernel's integer decode and byte permutes, the mma.m16n8k16 fragment layouts of the PTX ISA
+(tests/model/mma_layouts.py), `k_of` and `key_of_row`) reproduces `nvfp4.kv_dequantize` exactly
+(every E2M1 code; e4m3 zero, subnormal and 448 scales) and the query exactly; the emulated MMAs give
+the keys' dot products; the emulated warp loop (splits, chunks, causal mask, block max) gives
+`block_scores_ref` and, through `select_blocks`, `index_select_blocks_ref`'s selections. GPU (-m gpu):
+v7 scores and selections against the reference and the byte-wise tile kernel (v2) at B in {1, 4, 64},
+short and long contexts, ragged lengths, -1 padded block tables, 3 / 4 / 8 heads, pages of 64 and 128;
+CUDA-graph capture and replay; determinism.
 """
 
 import pytest
 import torch
 
 from model import nvfp4
+from model.kernels.cuda_common import ragged_tables, random_nvfp4_rows
 from model.kernels.cuda_indexer import (
     CHUNK,
     HEAD_DIM,
@@ -30,89 +26,41 @@ from model.kernels.cuda_indexer import (
     k_of,
     key_of_row,
     plan_splits,
-    ragged_tables,
-    random_nvfp4_pages,
     v7_applies,
 )
 from model.kernels.indexer import index_select_blocks_ref, select_blocks
 from model.kv_cache import PagedIndex
-from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
-
-MASK32 = 0xFFFFFFFF
-DECODE_MASK = 0x81C081C0
+from tests.model.mma_layouts import (
+    a_row_col,
+    b_fragments,
+    b_row_col,
+    bf16_halves,
+    byte_perm,
+    c_row_col,
+    decode_a,
+    scale_x2119,
+    special_rows,
+    u32,
+)
 
 
 # ------------------------------------------------------------------------------- lane emulation
-def _u32(rows_u8: torch.Tensor, offset: int) -> torch.Tensor:
-    """Little-endian 32-bit word at byte `offset` of each row: uint8 [..., 72] -> int64 [...]."""
-    b = rows_u8[..., offset : offset + 4].long()
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-
-
-def byte_perm(x: torch.Tensor, y: torch.Tensor, sel: int) -> torch.Tensor:
-    """CUDA __byte_perm: result byte n = byte (sel >> 4n) & 7 of the 8 bytes {y : x}."""
-    both = [(x >> (8 * n)) & 0xFF for n in range(4)] + [(y >> (8 * n)) & 0xFF for n in range(4)]
-    out = torch.zeros_like(x)
-    for n in range(4):
-        out |= both[(sel >> (4 * n)) & 7] << (8 * n)
-    return out
-
-
-def _bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 32-bit registers -> (low, high) bf16 halves as fp64 values (subnormals kept)."""
-    to = lambda h: (h << 16).to(torch.int32).view(torch.float32).double()
-    return to(r & 0xFFFF), to((r >> 16) & 0xFFFF)
-
-
-def _is_bf16(v: torch.Tensor) -> bool:
-    return bool(torch.equal(v.float().to(torch.bfloat16).double(), v)) and bool(
-        torch.equal(v.float().double(), v)
-    )
-
-
-def scale_splats(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's `scale_regs`: scale bytes (row g low, row g + 8 high) -> s * 2^119 per row (fp64,
-    checked to be bf16 values: the splat registers hold them exactly)."""
-    s = [
-        ((pair >> (8 * n)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).double() * 2.0**119
-        for n in (0, 1)
-    ]
-    assert all(_is_bf16(v) for v in s), "s * 2^119 must be a bf16"
-    return s[0], s[1]
-
-
-def decode_reg(q: torch.Tensor, nibble: int, mult: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A register from code word q (already >> 8 for nibbles 2 / 3): nibble 0 or 1 of each half, times
-    the splat (bf16x2 FMA, exact: checked) -> (low, high) fp64 values."""
-    if nibble == 0:
-        raw = ((q & 0x000F000F) * 0x1040) & DECODE_MASK
-    else:
-        raw = ((q & 0x00F000F0) * 0x0104) & DECODE_MASK
-    out = []
-    for half in _bf16_halves(raw & MASK32):
-        v = half * mult
-        assert _is_bf16(v), "the bf16 multiply must be exact"
-        out.append(v)
-    return out[0], out[1]
-
-
 def lane_a_registers(tile_u8: torch.Tensor, g: int, t: int) -> list[list[tuple]]:
     """Lane (g, t)'s A registers for the 8 k-steps of a 16-key tile (uint8 [..., 16, 72] raw rows, as
     the lane reads them from shared memory): [step][reg] = (low, high) fp64 values."""
     rows = [tile_u8[..., key_of_row(g), :], tile_u8[..., key_of_row(g) + 2, :]]  # the kernel's row g + 8
     assert key_of_row(g + 8) == key_of_row(g) + 2
     sel = t | ((t + 4) << 4)
-    pairs = [byte_perm(_u32(rows[0], 64 + 4 * bb), _u32(rows[1], 64 + 4 * bb), sel) & 0xFFFF for bb in (0, 1)]
+    pairs = [byte_perm(u32(rows[0], 64 + 4 * bb), u32(rows[1], 64 + 4 * bb), sel) & 0xFFFF for bb in (0, 1)]
     steps = []
-    for bb in range(2):  # block t, then t + 4
-        s_g, s_g8 = scale_splats(pairs[bb])
+    for bb in range(2):  # block t, then t + 4; scale_splats of row g's (low) and row g + 8's scale bytes
+        s_g, s_g8 = scale_x2119(pairs[bb] & 0xFF), scale_x2119(pairs[bb] >> 8)
         for w in range(2):
-            xg = _u32(rows[0], 8 * (t + 4 * bb) + 4 * w)
-            xh = _u32(rows[1], 8 * (t + 4 * bb) + 4 * w)
+            xg = u32(rows[0], 8 * (t + 4 * bb) + 4 * w)
+            xh = u32(rows[1], 8 * (t + 4 * bb) + 4 * w)
             for p in range(2):
                 qg, qh = (xg >> 8, xh >> 8) if p else (xg, xh)
-                steps.append([decode_reg(qg, 0, s_g), decode_reg(qh, 0, s_g8),
-                              decode_reg(qg, 1, s_g), decode_reg(qh, 1, s_g8)])  # fmt: skip
+                steps.append(decode_a(qg, qh, s_g, s_g8))
     return steps
 
 
@@ -140,9 +88,7 @@ def lane_b_registers(q_NC: torch.Tensor, g: int, t: int) -> list[list[int]]:
     for bb in range(2):
         seg = bits[16 * (t + 4 * bb) : 16 * (t + 4 * bb) + 16]
         wv = [int(seg[2 * m]) | (int(seg[2 * m + 1]) << 16) for m in range(8)]  # the two 16-byte loads
-        for i in range(4):
-            lo, hi = torch.tensor(wv[4 * (i >> 1) + (i & 1)]), torch.tensor(wv[4 * (i >> 1) + (i & 1) + 2])
-            out[4 * bb + i] = [int(byte_perm(lo, hi, 0x5410)), int(byte_perm(lo, hi, 0x7632))]
+        out[4 * bb : 4 * bb + 4] = b_fragments(wv)
     return out
 
 
@@ -153,7 +99,7 @@ def emulate_query(q_NC: torch.Tensor) -> torch.Tensor:
         g, t = lane // 4, lane % 4
         for step, regs in enumerate(lane_b_registers(q_NC, g, t)):
             for j in range(2):
-                lo, hi = _bf16_halves(torch.tensor(regs[j]))
+                lo, hi = bf16_halves(torch.tensor(regs[j]))
                 for h, v in enumerate((lo, hi)):
                     kappa, col = b_row_col(2 * j + h, g, t)
                     out[k_of(step, kappa, t), col] = v
@@ -178,7 +124,7 @@ def emulate_tile_mma(tile_u8: torch.Tensor, q_NC: torch.Tensor) -> torch.Tensor:
                     r, kappa = a_row_col(2 * n + h, g, t)
                     A[..., r, kappa] = A_lanes[lane][step][n][h]
             for j in range(2):
-                for h, v in enumerate(_bf16_halves(torch.tensor(B_lanes[lane][step][j]))):
+                for h, v in enumerate(bf16_halves(torch.tensor(B_lanes[lane][step][j]))):
                     kappa, col = b_row_col(2 * j + h, g, t)
                     B[kappa, col] = v
         assert not (A.isnan().any() or B.isnan().any()), "a fragment element was never written"
@@ -213,17 +159,6 @@ def emulate_block_scores(q_TNC, pages, scale, table_BP, seq_T, pos_T, n_sms: int
                     best = dots.masked_fill(~is_vis[:, None], float("-inf")).amax(0)
                     out[r, :, blk] = (best[:N].float() * g_scale).float()
     return out
-
-
-def special_rows(n: int, gen: torch.Generator) -> torch.Tensor:
-    """uint8 [n, 72] rows: random codes (all 16 appear), scale bytes covering every non-NaN e4m3 byte
-    (0, the subnormals 0x01-0x07, 448 = 0x7E, negative scales 0x80-0xFE too)."""
-    rows = torch.randint(0, 256, (n, ROW_BYTES), generator=gen, dtype=torch.uint8)
-    sb = rows[:, 64:]
-    sb[(sb & 0x7F) == 0x7F] = 0x7E  # no NaN
-    sb[:2] = torch.tensor([0, 1, 2, 3, 5, 7, 0x7E, 0x08, 0x80, 0xFE, 0x81, 0x06, 0x7D, 0x40, 0x38, 0x00],
-                          dtype=torch.uint8).view(2, 8)  # fmt: skip
-    return rows
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -378,7 +313,7 @@ def _gpu_case(B, ctx, page, N, seed, ragged=True, special=True):
         lens[0] = ctx  # the longest row reaches the table's width
     table, n_pages = ragged_tables(lens, page, gen, spare_cols=2, spare_pages=3)  # -1 past every row
     dev = torch.device("cuda")
-    pages = random_nvfp4_pages(n_pages, page, dev, torch.Generator(device=dev).manual_seed(seed), special)
+    pages = random_nvfp4_rows((n_pages, page), dev, torch.Generator(device=dev).manual_seed(seed), special)
     q = (torch.randn(B, N, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16).to(dev)
     seq = torch.arange(B, dtype=torch.int32, device=dev)
     pos = torch.tensor(lens, device=dev).long() - 1

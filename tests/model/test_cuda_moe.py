@@ -4,7 +4,7 @@ CPU: a torch emulation of the staged kernel: each thread's cp.async pieces of a 
 pieces, 4-byte scale words, from the canonical NVFP4 tensors at the kernel's offsets, into the
 swizzled stage layout, chunks past the split's end skipped), then each lane's shared-memory reads
 (two 8-byte code words and two scale words per tile, the prmt picking its two scale bytes), the
-kernel's integer decode ops and the mma.m16n8k16 fragment layouts of the PTX ISA written out below,
+kernel's integer decode ops and the mma.m16n8k16 fragment layouts of the PTX ISA (see below),
 reproduces `nvfp4.dequantize` exactly (every code, e4m3 subnormal scales, 0 and 448; partial rounds and
 unaligned split starts) and the MMA's product (with the x-pair prmts); the copies cover every stage
 byte a lane reads once, each copy instruction reads whole 128-byte row lines (codes) or 16 contiguous
@@ -16,13 +16,9 @@ bf16 multiply shows up as a wrong 0.5 code); in-place weight updates and expert-
 kernel reads the bank, nothing cached); CUDA-graph replay; the shared-expert add; determinism and
 split counters back at 0.
 
-PTX ISA, mma.m16n8k16 with .bf16 A / B and .f32 C, lane = 4 * groupID + threadID_in_group (g, t):
-  A a_i (i = 0..7, two per .b32 register, a_{2n} in the low half of register n):
-    row = g for i in {0, 1, 4, 5}, g + 8 otherwise; col = 2t + (i & 1) + 8 * (i >= 4)
-  B b_i (i = 0..3): row = 2t + (i & 1) + 8 * (i >= 2); col = g
-  C c_i (i = 0..3): row = g + 8 * (i >= 2); col = 2t + (i & 1)
-Kernel map of MMA column kappa of step i (0..3) of a 64-wide chunk to input k (A and B alike):
-  k = 16t + 8 * (i >> 1) + 2 * (i & 1) + (kappa >= 8) + 4 * (kappa & 1).
+The PTX ISA fragment layouts and the kernel's map of MMA column kappa of step i (0..3) of a 64-wide
+chunk to input k = 16t + 8 (i >> 1) + 2 (i & 1) + (kappa >= 8) + 4 (kappa & 1) (A and B alike,
+`kappa_to_k`): tests/model/mma_layouts.py, shared with test_cuda_gemv.py.
 """
 
 import functools
@@ -32,37 +28,27 @@ import torch
 
 from model import nvfp4
 from model.kernels.cuda_moe import _canonical, random_bank, rows_per_block, split_k, use_moe_mma
-from tests.model.mma_layouts import a_row_col, b_row_col, c_row_col
+from tests.model.mma_layouts import (
+    a_row_col,
+    b_fragments,
+    b_row_col,
+    bf16_halves,
+    byte_perm,
+    c_row_col,
+    decode_a,
+    kappa_to_k,
+    scale_x2119,
+    special_weights,
+    u32,
+)
 
-MASK32 = 0xFFFFFFFF
 # cuda_moe.cu's constants: tiles per CTA, warps (= chunks per round), bytes per row and round, a
 # stage's code bytes and bytes per matrix.
 MT, WARPS, LINE, CODE_BYTES, MAT_BYTES = 4, 4, 128, 8192, 9216
 THREADS = 32 * WARPS
 
 
-# ------------------------------------------------------------------------------- layouts (PTX ISA)
-def kappa_to_k(kappa: int, step: int, t: int) -> int:
-    return 16 * t + 8 * (step >> 1) + 2 * (step & 1) + (kappa >= 8) + 4 * (kappa & 1)
-
-
 # ------------------------------------------------------------------------------- lane emulation
-def byte_perm(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
-    """CUDA __byte_perm / PTX prmt (default mode) on int64 tensors of 32-bit values: result byte n is
-    byte (sel >> 4n) & 7 of the 8 bytes {b, a} (a the low four)."""
-    src = (a & MASK32) | ((b & MASK32) << 32)
-    out = torch.zeros_like(a)
-    for n in range(4):
-        out |= ((src >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n)
-    return out
-
-
-def _u32(bytes_: torch.Tensor) -> torch.Tensor:
-    """int64 bytes [..., 4 m] -> int64 [..., m] little-endian 32-bit words."""
-    b = bytes_.long().view(*bytes_.shape[:-1], -1, 4)
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-
-
 def code_copies(c_begin: int, c_end: int, rnd: int) -> list[tuple[int, int, int, int]]:
     """The kernel's code copies (Copier) of one round and matrix: (thread, CTA row, byte of the row,
     stage offset) of each 16-byte piece, pieces of chunks >= c_end left out."""
@@ -121,51 +107,20 @@ def stage_round(rows_w: torch.Tensor, rows_s: torch.Tensor, c_begin: int, c_end:
     return stage
 
 
-def _bf16_halves(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 32-bit registers -> (low, high) 16-bit halves as fp32 values of bf16 bits."""
-    to = lambda h: (h << 16).to(torch.int32).view(torch.float32)
-    return to(r & 0xFFFF), to((r >> 16) & 0xFFFF)
-
-
-def _exact_in(v: torch.Tensor, dtype: torch.dtype) -> bool:
-    return bool(torch.equal(v.to(dtype).float(), v))
-
-
-def decode_registers(qg: torch.Tensor, qg8: torch.Tensor, s_g: torch.Tensor, s_g8: torch.Tensor):
-    """The kernel's `decode` on int64 words (rows g, g + 8, already shifted for the step) -> (lo, hi)
-    fp32 values of A registers 0..3, each exactly the bf16 the kernel multiplies (checked
-    representable). s_*: fp32 e4m3 values of the two rows' block scales."""
-    M = 0x81C081C0
-    raws = [((qg & 0x000F000F) * 0x1040) & M, ((qg8 & 0x000F000F) * 0x1040) & M,
-            ((qg & 0x00F000F0) * 0x0104) & M, ((qg8 & 0x00F000F0) * 0x0104) & M]  # fmt: skip
-    mult = [s_g * 2.0**119, s_g8 * 2.0**119]
-    for m in mult:
-        assert _exact_in(m, torch.bfloat16), "s * 2^119 must be a bf16"
-    regs = []
-    for n, r in enumerate(raws):
-        halves = []
-        for half in _bf16_halves(r & MASK32):
-            v = half * mult[n & 1]  # fp32: exact (<= 6 significant bits, far from the range ends)
-            assert _exact_in(v, torch.bfloat16), "the bf16 multiply must be exact"
-            halves.append(v)
-        regs.append(tuple(halves))
-    return regs
-
-
 def lane_values(stage: torch.Tensor, warp: int, lane: int, tt: int) -> dict[tuple[int, int], torch.Tensor]:
     """One lane's tile tt of its warp's chunk from a stage (int64 bytes [..., MAT_BYTES]): its shared
-    reads, scale prmt and decode -> {(tile row, chunk input k): fp32 e2m1 * s} through the A layout."""
+    reads, scale prmt and decode -> {(tile row, chunk input k): e2m1 * s (fp64)} through the A layout."""
     g, t = lane // 4, lane % 4
     (cg, cg8), (sg, sg8) = lane_reads(warp, g, t, tt)
     read = [stage[..., o : o + n] for o, n in ((cg, 8), (cg8, 8), (sg, 4), (sg8, 4))]
     assert all(bool((v >= 0).all()) for v in read), "a lane read an uncopied byte"
-    qg, qg8, sw_g, sw_g8 = (_u32(v) for v in read)
-    pair = byte_perm(sw_g[..., 0], sw_g8[..., 0], scale_selector(t))
-    s_g, s_g8 = (((pair >> (8 * r)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float() for r in (0, 1))
+    qg, qg8 = ([u32(stage, o), u32(stage, o + 4)] for o in (cg, cg8))
+    pair = byte_perm(u32(stage, sg), u32(stage, sg8), scale_selector(t))
+    s_g, s_g8 = scale_x2119(pair & 0xFF), scale_x2119((pair >> 8) & 0xFF)  # scale_splats
     out = {}
     for step in range(4):
         sh = 8 * (step & 1)
-        regs = decode_registers(qg[..., step >> 1] >> sh, qg8[..., step >> 1] >> sh, s_g, s_g8)
+        regs = decode_a(qg[step >> 1] >> sh, qg8[step >> 1] >> sh, s_g, s_g8)
         for n in range(4):
             for h in range(2):
                 row, kappa = a_row_col(2 * n + h, g, t)
@@ -195,14 +150,6 @@ def emulate_weights(packed: torch.Tensor, scales: torch.Tensor, split: int = 1) 
                         for (row, k), v in lane_values(stage, warp, lane, tt).items():
                             out[..., tt, row, 64 * c + k] = v
     return out.reshape(E, N, n_in)
-
-
-def _special_weights(E: int, N: int, n_in: int, gen: torch.Generator):
-    """Random codes (all 16 appear) and scales covering e4m3 subnormals (0x01-0x07), 0, and 448."""
-    packed = torch.randint(0, 256, (E, N, n_in // 2), generator=gen, dtype=torch.uint8)
-    sbytes = torch.randint(0, 0x7F, (E, N, n_in // 16), generator=gen, dtype=torch.uint8)  # 0x7F is NaN
-    sbytes.view(-1)[:8] = torch.tensor([0, 1, 2, 3, 5, 7, 0x7E, 0x08], dtype=torch.uint8)
-    return packed, sbytes.view(torch.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -275,7 +222,7 @@ def test_fragment_emulation_from_staged_copies_reproduces_dequantize_exactly(n_i
     are exactly e2m1 * s (nvfp4.dequantize with scale_2 = 1). n_in 128: one partial round; 320 in 2
     splits: chunks 0-2 and 3-4 (an unaligned split start); 576 in 3 splits: 3 chunks each."""
     gen = torch.Generator().manual_seed(n_in + split)
-    packed, scales = _special_weights(2, 64, n_in, gen)
+    packed, scales = special_weights((2, 64), n_in, gen)
     sbytes = scales.view(torch.uint8)
     assert {0, 1, 7, 0x7E} <= set(sbytes.unique().tolist())  # zero, subnormals, 448 are all there
     got = emulate_weights(packed, scales, split)
@@ -289,7 +236,7 @@ def test_mma_emulation_equals_the_matrix_product():
     W @ x^T."""
     gen = torch.Generator().manual_seed(2)
     E, N, n_in = 1, 64, 128
-    packed, scales = _special_weights(E, N, n_in, gen)
+    packed, scales = special_weights((E, N), n_in, gen)
     W = emulate_weights(packed, scales)[0, :16].double()  # tile 0 [16, I], validated above
     x = (torch.randn(8, n_in, generator=gen) * 3).to(torch.bfloat16)  # 8 slot rows (MMA N)
     x_bits = x.view(torch.int16).long() & 0xFFFF
@@ -305,12 +252,10 @@ def test_mma_emulation_equals_the_matrix_product():
                     A[r, kappa] = W[r, 64 * c + kappa_to_k(kappa, step, t)]
                 # The lane's x words: bf16 pairs (2j, 2j + 1) of x[g, 64c + 16t : +16]; B regs by prmt.
                 seg = x_bits[g, 64 * c + 16 * t : 64 * c + 16 * t + 16]
-                xw = seg[0::2] | (seg[1::2] << 16)
-                w = 4 * (step >> 1) + (step & 1)
-                regs = [byte_perm(xw[w], xw[w + 2], 0x5410), byte_perm(xw[w], xw[w + 2], 0x7632)]
+                regs = b_fragments(seg[0::2] | (seg[1::2] << 16))[step]
                 for i in range(4):
                     kappa, col = b_row_col(i, g, t)
-                    B[kappa, col] = _bf16_halves(regs[i >> 1])[i & 1].double()
+                    B[kappa, col] = bf16_halves(regs[i >> 1])[i & 1]
             assert not (A.isnan().any() or B.isnan().any()), "a fragment element was never written"
             D += A @ B
     C = torch.zeros(16, 8, dtype=torch.float64)
@@ -367,7 +312,7 @@ def _bank(E, D, F, seed, device, special=False):
     bank = ExpertBank(E, D, F, "nvfp4").init_normal_(0.05, gen)
     if special:  # every code with subnormal / zero / max scales, power-of-two scale_2
         for p, (n_out, n_in) in bank.proj_shapes().items():
-            packed, scales = _special_weights(E, n_out, n_in, gen)
+            packed, scales = special_weights((E, n_out), n_in, gen)
             getattr(bank, f"{p}_weight").copy_(packed)
             sb = scales.view(torch.uint8) & 0x3F  # keep |w| moderate: exponents <= 7, subnormals kept
             getattr(bank, f"{p}_weight_scale").copy_(sb.view(torch.float8_e4m3fn))
@@ -416,8 +361,8 @@ def _routing(T, E, K, gen, device):
 
 def _check(x, ids, w, bank, label, with_ref=True):
     from model.kernels import cuda_moe
+    from model.kernels.cuda_common import split_counters
     from model.kernels.moe import moe_experts_ref, moe_experts_torch
-    from model.kernels.triton_gemv import split_counters
     from model.kernels.triton_moe import moe_nvfp4_triton
 
     cuda_moe.POISON_INTERMEDIATES = True
@@ -485,7 +430,7 @@ def test_16_and_8_row_blocks_give_the_same_bits(shape, T, monkeypatch):
     MMAs on the same registers, so the outputs are equal bit for bit (T = 1 at M3 widths: the split-K
     path with 16-row partials); counters back at 0."""
     from model.kernels import cuda_moe
-    from model.kernels.triton_gemv import split_counters
+    from model.kernels.cuda_common import split_counters
 
     E, D, F, K = (8, 128, 64, 2) if shape == "tiny" else (128, 6144, 3072, 4)
     bank = _bank(E, D, F, T, "cuda")
